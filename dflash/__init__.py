@@ -1,0 +1,3 @@
+"""Train and evaluate DFlash speculative-decoding drafters."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,104 @@
+"""`dflash <stage>`: every workflow rule calls one of these, so each stage runs without Snakemake.
+
+`--config` takes a YAML file or an inline JSON object (the rules pass the exact subset of the
+config a stage depends on, which is also what makes Snakemake rerun it when that subset changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+from dflash.config import ConfigError, load_config, validate
+from dflash.errors import UserError
+
+log = logging.getLogger("dflash")
+
+
+def load(value: str) -> dict:
+    if value.lstrip().startswith("{"):
+        try:
+            return validate(json.loads(value), "--config JSON")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config is not valid JSON: {e}") from e
+    return load_config(value)
+
+
+def _add(sub, name: str, help: str):
+    parser = sub.add_parser(name, help=help, description=help)
+    parser.add_argument(
+        "--config",
+        default="config/config.yaml",
+        help="config YAML file or inline JSON (default: config/config.yaml)",
+    )
+    parser.add_argument("--manifest", type=Path, help="write the stage's sha256 manifest here")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = _add(sub, "target", "resolve the target LLM into a plain HF directory")
+    p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
+    p.add_argument("--info", type=Path, required=True, help="target facts JSON (mask token, ...)")
+    p.set_defaults(run="dflash.model.convert:run")
+
+    p = _add(sub, "expand", "merge, normalise, dedupe, shuffle and split the chat sources")
+    p.add_argument("--train", type=Path, required=True)
+    p.add_argument("--eval", type=Path, required=True)
+    p.add_argument("--report", type=Path, required=True)
+    p.set_defaults(run="dflash.data.expand:run")
+
+    p = _add(sub, "regenerate", "rewrite assistant turns with the target (greedy), resumably")
+    p.add_argument("--target", type=Path, required=True, help="target HF directory")
+    p.add_argument("--input", type=Path, required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        required=True,
+        help="resume state (finished batches); not a declared output",
+    )
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    p.set_defaults(run="dflash.data.regenerate:run")
+
+    p = _add(sub, "merge-shards", "merge regenerated shards back into input order")
+    p.add_argument("--input", type=Path, required=True, help="the expanded split they came from")
+    p.add_argument("--shard-files", type=Path, nargs="+", required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.set_defaults(run="dflash.data.regenerate:run_merge")
+
+    p = _add(sub, "tokenize", "render with the chat template and build loss masks")
+    p.add_argument("--target", type=Path, required=True, help="target HF directory (tokenizer)")
+    p.add_argument("--input", type=Path, required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.set_defaults(run="dflash.data.tokenization:run")
+
+    p = _add(sub, "stats", "length statistics, bucket table and drift")
+    p.add_argument("--input", type=Path, required=True, help="tokenized parquet")
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--plot", type=Path, required=True)
+    p.add_argument("--previous", type=Path, help="earlier stats.json to compare against")
+    p.set_defaults(run="dflash.data.stats:run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
+    )
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args.run.split(":")
+    try:
+        args.config = load(args.config)
+        getattr(importlib.import_module(module_name), func_name)(args)
+    except UserError as e:
+        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,61 @@
+"""Configuration: one JSON Schema (workflow/schemas) validates and fills defaults for both the
+Snakemake workflow and the standalone CLI, so the two can never disagree about a default."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from dflash.errors import UserError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(UserError):
+    pass
+
+
+def _with_defaults(validator_class):
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for key, sub in properties.items():
+                if "default" in sub and key not in instance:
+                    instance[key] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def validate(config: dict, source: str = "config") -> dict:
+    """Fill defaults in place and raise ConfigError naming the offending key."""
+    validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = [f"  {'.'.join(map(str, e.absolute_path)) or '<top>'}: {e.message}" for e in errors]
+        raise ConfigError(f"invalid configuration in {source}:\n" + "\n".join(lines))
+    return config
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"config {path} must be a mapping, got {type(config).__name__}")
+    return validate(config, str(path))
+
+
+def expand_user(path: str) -> Path:
+    return Path(os.path.expandvars(os.path.expanduser(path)))

@@ -1,0 +1,1 @@
+"""Data stages: sources -> expand -> regenerate -> tokenize -> length statistics."""

@@ -1,0 +1,164 @@
+"""expand_dataset: merge sources, normalise, filter, dedupe, shuffle, split.
+
+Every row that does not reach the output is counted under a reason in the report; with
+`on_bad_row: error` a malformed row stops the stage with a message naming its file and row.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+
+from dflash.config import expand_user
+from dflash.data.normalize import BadRow, clean, conversation_id, to_turns
+from dflash.data.sources import DataError, SourceInfo, read_source
+from dflash.io import atomic_path, write_json
+from dflash.manifest import code_hash, write_manifest
+
+# Rows malformed as input (as opposed to well-formed rows we choose to filter out).
+MALFORMED = {
+    "malformed_json",
+    "not_an_object",
+    "not_utf8",
+    "wrong_shape",
+    "missing_key",
+    "unknown_role",
+    "unknown_shape",
+}
+EXAMPLES_PER_REASON = 5
+log = logging.getLogger(__name__)
+
+CONVERSATION = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
+
+
+def _row_problem(row, max_turns):
+    """(turns, None) for a usable row, (None, BadRow) otherwise."""
+    if row.record is None:
+        return None, BadRow(row.problem, row.detail)
+    try:
+        return clean(to_turns(row.record), max_turns), None
+    except BadRow as bad:
+        return None, bad
+
+
+def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
+    """Kept rows (unique, in source order) and the per-source report."""
+    strict = data_cfg["on_bad_row"] == "error"
+    max_chars = data_cfg["max_chars"]
+    seen: set[str] = set()
+    rows: list[dict] = []
+    report = {}
+    for spec in data_cfg["sources"]:
+        info = SourceInfo(label=spec["name"])
+        dropped: Counter[str] = Counter()
+        examples: dict[str, list[str]] = {}
+        read = 0
+        for raw in read_source(spec, cache_dir, info):
+            if spec.get("max_rows") is not None and read >= spec["max_rows"]:
+                break
+            read += 1
+            turns, bad = _row_problem(raw, data_cfg["max_turns"])
+            if bad is None and max_chars is not None:
+                chars = sum(len(t["content"]) for t in turns)
+                if chars > max_chars:
+                    bad = BadRow("too_long", f"{chars} chars > max_chars={max_chars}")
+            if bad is None:
+                row_id = conversation_id(turns)
+                if row_id in seen:
+                    bad = BadRow("duplicate", f"id {row_id}")
+            if bad is not None:
+                if strict and bad.reason in MALFORMED:
+                    raise DataError(
+                        f"{raw.where}: {bad} (set data.on_bad_row: skip to count and skip)"
+                    )
+                dropped[bad.reason] += 1
+                examples.setdefault(bad.reason, [])
+                if len(examples[bad.reason]) < EXAMPLES_PER_REASON:
+                    examples[bad.reason].append(f"{raw.where}: {bad}")
+                continue
+            seen.add(row_id)
+            rows.append({"id": row_id, "source": spec["name"], "conversations": turns})
+        if info.truncated_tail_bytes:
+            dropped["truncated_tail"] += 1
+            examples["truncated_tail"] = [
+                f"{info.label}: file ends mid-record after row {info.truncated_tail_at - 1}; "
+                f"{info.truncated_tail_bytes} trailing bytes ignored"
+            ]
+        kept = read - sum(v for k, v in dropped.items() if k != "truncated_tail")
+        report[spec["name"]] = {
+            "file": info.label,
+            "rows_read": read,
+            "rows_kept": kept,
+            "dropped": dict(sorted(dropped.items())),
+            "examples": dict(sorted(examples.items())),
+        }
+    return rows, report
+
+
+def split(rows: list[dict], seed: int, eval_rows: int, train_rows: int | None):
+    """Deterministic shuffle (independent of source order) then held-out eval split."""
+    ordered = sorted(rows, key=lambda r: r["id"])
+    random.Random(seed).shuffle(ordered)
+    held_out = ordered[:eval_rows]
+    train = ordered[eval_rows:]
+    if train_rows is not None:
+        train = train[:train_rows]
+    return train, held_out
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    frame = pl.DataFrame(
+        rows, schema={"id": pl.String, "source": pl.String, "conversations": CONVERSATION}
+    )
+    frame.write_parquet(path, statistics=False)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return pl.read_parquet(path).to_dicts()
+
+
+def run(args) -> None:
+    config = args.config
+    data_cfg = config["data"]
+    if not data_cfg.get("sources"):
+        raise DataError("expand: data.sources is empty; list at least one source")
+    rows, sources = collect(data_cfg, expand_user(config["cache_dir"]))
+    train, held_out = split(rows, config["seed"], data_cfg["eval_rows"], data_cfg["train_rows"])
+    if not train:
+        raise DataError(f"expand: no training rows left; per-source report: {sources}")
+    dropped = Counter()
+    for source in sources.values():
+        dropped.update(source["dropped"])
+    report = {
+        "sources": sources,
+        "rows_unique": len(rows),
+        "dropped_total": dict(sorted(dropped.items())),
+        "train_rows": len(train),
+        "eval_rows": len(held_out),
+        "not_selected": len(rows) - len(train) - len(held_out),
+        "seed": config["seed"],
+    }
+    with atomic_path(args.train) as t, atomic_path(args.eval) as e:
+        write_rows(train, t)
+        write_rows(held_out, e)
+    write_json(args.report, report)
+    log.info(
+        "expand: %d unique rows -> %d train, %d eval; dropped %s",
+        len(rows),
+        len(train),
+        len(held_out),
+        dict(dropped),
+    )
+    if args.manifest:
+        write_manifest(
+            args.manifest,
+            "expand",
+            {},
+            {"train": args.train, "eval": args.eval, "report": args.report},
+            params={"seed": config["seed"], "data": data_cfg},
+            code=code_hash("data"),
+        )

@@ -1,0 +1,171 @@
+"""length_stats: how long the training rows are, how they batch, and how that drifted.
+
+The bucket table is the one batching uses: a row goes to the first bucket whose upper bound holds
+it, a bucket's batch size is `min(max_batch_size, token_budget // upper)`, so the number of batches
+per epoch and the share of batches in the longest bucket follow directly (long buckets cost the
+most per token; a dataset whose longest-bucket share grows gets slower per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import polars as pl
+
+from dflash.io import atomic_path, read_json, write_json
+from dflash.manifest import code_hash, write_manifest
+
+log = logging.getLogger(__name__)
+QUANTILES = (0.5, 0.9, 0.99)
+HISTOGRAM_BINS = 32
+
+
+def bucket_bounds(buckets: list[int], max_length: int) -> list[int]:
+    bounds = sorted({b for b in buckets if b < max_length} | {max_length})
+    return bounds
+
+
+def _summary(col: pl.Series) -> dict:
+    out = {"mean": round(float(col.mean()), 3), "max": int(col.max()), "min": int(col.min())}
+    for q in QUANTILES:
+        out[f"p{round(q * 100)}"] = round(float(col.quantile(q, interpolation="linear")), 3)
+    return out
+
+
+def bucket_table(lengths: pl.Series, bounds: list[int], token_budget: int, max_batch_size: int):
+    rows, lower = [], 0
+    for upper in bounds:
+        in_bucket = lengths.filter((lengths > lower) & (lengths <= upper))
+        batch_size = max(1, min(max_batch_size, token_budget // upper))
+        n = in_bucket.len()
+        rows.append(
+            {
+                "lower": lower,
+                "upper": upper,
+                "rows": n,
+                "batch_size": batch_size,
+                "batches": math.ceil(n / batch_size),
+                "tokens": int(in_bucket.sum()),
+                # real tokens / padded tokens if every row is padded to the bucket bound
+                "fill": round(int(in_bucket.sum()) / (n * upper), 4) if n else None,
+            }
+        )
+        lower = upper
+    return rows
+
+
+def length_stats(frame: pl.DataFrame, buckets, max_length, token_budget, max_batch_size) -> dict:
+    lengths, trainable = frame["length"], frame["trainable"]
+    bounds = bucket_bounds(buckets, max_length)
+    table = bucket_table(lengths, bounds, token_budget, max_batch_size)
+    batches = sum(b["batches"] for b in table)
+    width = max(1, math.ceil(max_length / HISTOGRAM_BINS))
+    histogram = ((lengths - 1) // width).value_counts().sort(lengths.name)
+    return {
+        "rows": frame.height,
+        "tokens": int(lengths.sum()),
+        "trainable_tokens": int(trainable.sum()),
+        "length": _summary(lengths),
+        "trainable": _summary(trainable),
+        "histogram": {
+            "bin_width": width,
+            "counts": {str(int(b) * width + 1): int(c) for b, c in histogram.iter_rows()},
+        },
+        "buckets": table,
+        "batches_per_epoch": batches,
+        "longest_bucket_share": round(table[-1]["batches"] / batches, 4) if batches else 0.0,
+        "token_budget": token_budget,
+        "max_batch_size": max_batch_size,
+        "max_length": max_length,
+    }
+
+
+DRIFT_KEYS = {
+    "rows": ("rows",),
+    "mean length": ("length", "mean"),
+    "p90 length": ("length", "p90"),
+    "mean trainable": ("trainable", "mean"),
+    "batches per epoch": ("batches_per_epoch",),
+    "longest-bucket share": ("longest_bucket_share",),
+}
+
+
+def drift(old: dict, new: dict) -> dict:
+    """Change of the headline numbers against an earlier stats file, with readable lines."""
+    out = {}
+    for name, path in DRIFT_KEYS.items():
+        a, b = old, new
+        for key in path:
+            a, b = a[key], b[key]
+        pct = round(100 * (b - a) / a, 1) if a else None
+        if name == "longest-bucket share":
+            line = f"{name} {a * 100:.0f} % -> {b * 100:.0f} %"
+        else:
+            line = f"{name} {a:g} -> {b:g}" + (f", {pct:+.1f} %" if pct is not None else "")
+        out[name] = {"old": a, "new": b, "change_pct": pct, "line": line}
+    return out
+
+
+def plot(stats: dict, lengths: pl.Series, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    ax.hist(
+        lengths.to_numpy(), bins=HISTOGRAM_BINS, range=(0, stats["max_length"]), color="#4477aa"
+    )
+    for bucket in stats["buckets"]:
+        ax.axvline(bucket["upper"], color="#cc6677", linestyle="--", linewidth=1)
+    ax.set_xlabel("tokens per row (dashed: bucket bounds)")
+    ax.set_ylabel("rows")
+    ax.set_title(
+        f"{stats['rows']} rows, mean {stats['length']['mean']:.0f} tokens, "
+        f"{stats['batches_per_epoch']} batches/epoch"
+    )
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def run(args) -> None:
+    data_cfg = args.config["data"]
+    frame = pl.read_parquet(args.input, columns=["length", "trainable"])
+    stats = length_stats(
+        frame,
+        data_cfg["buckets"],
+        data_cfg["max_length"],
+        data_cfg["token_budget"],
+        data_cfg["max_batch_size"],
+    )
+    previous = args.previous or data_cfg["previous_stats"]
+    if previous:
+        stats["drift"] = drift(read_json(previous), stats)
+        for item in stats["drift"].values():
+            log.info("drift: %s", item["line"])
+    write_json(args.json, stats)
+    plot(stats, frame["length"], args.plot)
+    log.info(
+        "stats: %d rows, mean length %.1f, %d batches/epoch, longest-bucket share %.1f %%",
+        stats["rows"],
+        stats["length"]["mean"],
+        stats["batches_per_epoch"],
+        100 * stats["longest_bucket_share"],
+    )
+    if args.manifest:
+        params = {
+            k: data_cfg[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
+        }
+        inputs = {"input": args.input, **({"previous": previous} if previous else {})}
+        write_manifest(
+            args.manifest,
+            "stats",
+            inputs,
+            {"json": args.json, "plot": args.plot},
+            params=params,
+            code=code_hash("data"),
+        )

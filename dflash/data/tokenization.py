@@ -1,0 +1,146 @@
+"""tokenize: render conversations with the target's chat template and build the loss mask.
+
+Trainable tokens are each assistant turn's content plus its end-of-turn token(s): the drafter
+learns to predict exactly what the target emits after the generation prompt. A turn cut off at
+`max_new_tokens` keeps its content but not the end-of-turn, which the target never produced there.
+Spans are found in characters (prefix renders of the template) and mapped to tokens with the fast
+tokenizer's offsets, so any template that renders earlier turns unchanged works.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import polars as pl
+
+from dflash.data.sources import DataError
+from dflash.io import atomic_path, write_json
+from dflash.manifest import code_hash, write_manifest
+
+log = logging.getLogger(__name__)
+
+
+def _render(tokenizer, turns, generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(
+        turns, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def assistant_spans(tokenizer, turns: list[dict], truncated: set[int]) -> tuple[str, list]:
+    """The rendered text and the [start, end) character span of each assistant turn."""
+    full = _render(tokenizer, turns)
+    spans = []
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, turns[:i], generation_prompt=True)
+        upto = _render(tokenizer, turns[: i + 1])
+        if not (upto.startswith(prefix) and full.startswith(upto)):
+            raise DataError(
+                f"turn {i}: the chat template renders earlier turns differently once later turns "
+                "are added, so assistant spans cannot be located"
+            )
+        end = len(upto.rstrip())  # content + end-of-turn, without the template's trailing newline
+        if i in truncated:
+            content = turn["content"].rstrip()
+            found = upto.rfind(content, len(prefix)) if content else len(prefix)
+            end = found + len(content) if found >= 0 else end
+        spans.append((len(prefix), end))
+    return full, spans
+
+
+def encode(tokenizer, turns: list[dict], truncated: set[int], max_length: int):
+    text, spans = assistant_spans(tokenizer, turns, truncated)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"][:max_length]
+    mask = [
+        int(any(lo <= start < hi for lo, hi in spans))
+        for start, _ in enc["offset_mapping"][:max_length]
+    ]
+    return ids, mask
+
+
+def has_trainable_pair(mask: list[int]) -> bool:
+    return any(a and b for a, b in zip(mask, mask[1:], strict=False))
+
+
+def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int):
+    import datasets
+    from transformers import AutoTokenizer
+
+    if "truncated_turns" not in frame.columns:
+        frame = frame.with_columns(pl.lit([], dtype=pl.List(pl.Int32)).alias("truncated_turns"))
+
+    def tokenize_one(row):
+        tokenizer = _tokenizer(str(tokenizer_dir), AutoTokenizer)
+        try:
+            ids, mask = encode(
+                tokenizer, row["conversations"], set(row["truncated_turns"]), max_length
+            )
+        except DataError as e:
+            raise DataError(f"row id {row['id']}: {e}") from e
+        return {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "length": len(ids),
+            "trainable": sum(mask),
+            "keep": has_trainable_pair(mask),
+        }
+
+    ds = datasets.Dataset.from_polars(frame.select("id", "conversations", "truncated_turns"))
+    ds = ds.map(
+        tokenize_one,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=["conversations", "truncated_turns"],
+        keep_in_memory=True,
+        desc="tokenize",
+    )
+    out = pl.from_arrow(ds.data.table).with_columns(
+        pl.col("input_ids").cast(pl.List(pl.Int32)),
+        pl.col("loss_mask").cast(pl.List(pl.Int8)),
+        pl.col("length").cast(pl.Int32),
+        pl.col("trainable").cast(pl.Int32),
+    )
+    return out
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(path: str, auto):
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = auto.from_pretrained(path)
+    return _TOKENIZERS[path]
+
+
+def run(args) -> None:
+    data_cfg = args.config["data"]
+    frame = pl.read_parquet(args.input)
+    if frame.height == 0:
+        raise DataError(f"{args.input}: no rows to tokenize")
+    out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
+    kept = out.filter(pl.col("keep")).drop("keep")
+    report = {
+        "rows_in": frame.height,
+        "rows_out": kept.height,
+        "dropped": {"no_trainable_pair": out.height - kept.height},
+        "truncated_to_max_length": int((out["length"] >= data_cfg["max_length"]).sum()),
+        "max_length": data_cfg["max_length"],
+    }
+    if kept.height == 0:
+        raise DataError(f"{args.input}: no row has two consecutive trainable tokens")
+    with atomic_path(args.output) as tmp:
+        kept.write_parquet(tmp, statistics=False)
+    report_path = args.output.with_suffix(".report.json")
+    write_json(report_path, report)
+    log.info("tokenize: %s", report)
+    if args.manifest:
+        write_manifest(
+            args.manifest,
+            "tokenize",
+            {"input": args.input, "target": args.target},
+            {"output": args.output, "report": report_path},
+            params={"max_length": data_cfg["max_length"]},
+            code=code_hash("data"),
+        )

@@ -1,0 +1,5 @@
+"""Errors caused by the user's input or configuration: reported as one clear line, no traceback."""
+
+
+class UserError(ValueError):
+    pass

