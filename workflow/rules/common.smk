@@ -1,0 +1,67 @@
+# Shared helpers: result paths, the exact config subset each rule depends on, and hashes of the
+# code and environment (Snakemake cannot see imported modules or pip upgrades by itself).
+import json
+import shlex
+import shutil
+import sys
+
+from dflash.config import validate as dflash_validate
+from dflash.io import sha256_file
+from dflash.manifest import code_hash, environment_hash
+
+# snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
+dflash_validate(config, "workflow config")
+
+R = config["results"]
+# The CLI of the Python running Snakemake, so rules work without an activated environment.
+DFLASH = f"{shlex.quote(sys.executable)} -m dflash"
+SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
+ENV_HASH = environment_hash()
+DATA_CODE = code_hash("data")
+HAS_GPU = shutil.which("nvidia-smi") is not None
+
+
+def config_json(*paths):
+    """JSON of the named config keys ("data.regenerate", "seed", ...), nested as in the config.
+
+    Passed to the CLI as --config and used as a rule param, so a rule reruns exactly when a key
+    it reads changes, and the standalone CLI sees the same values as the workflow.
+    """
+    subset = {}
+    for path in paths:
+        keys = path.split(".")
+        src, dst = config, subset
+        for key in keys[:-1]:
+            src = src[key]
+            dst = dst.setdefault(key, {})
+        dst[keys[-1]] = src[keys[-1]]
+    return json.dumps(subset, sort_keys=True)
+
+
+def target_dir():
+    """The target as an HF directory: the user's local path, or the target rule's output."""
+    return config["target"]["path"] or f"{R}/target/hf"
+
+
+def target_fingerprint():
+    """Identity of a user-supplied target directory without hashing gigabytes of weights."""
+    path = config["target"]["path"]
+    if not path:
+        return None
+    files = sorted(os.listdir(path))
+    return {f: os.path.getsize(os.path.join(path, f)) for f in files}
+
+
+def regenerated(split):
+    if config["data"]["regenerate"]["enabled"]:
+        return f"{R}/data/regenerated/{split}.parquet"
+    return f"{R}/data/expanded/{split}.parquet"
+
+
+def local_source_hashes():
+    """sha256 of local data files, so editing one reruns expand (mtimes are not a trigger)."""
+    return {
+        s["path"]: sha256_file(s["path"])
+        for s in config["data"]["sources"]
+        if "path" in s
+    }

@@ -1,0 +1,118 @@
+# Target resolution and the data stages: expand -> regenerate (sharded) -> tokenize.
+
+
+rule target:
+    """Turn the configured target (GGUF wheel or hub id) into a plain HF directory."""
+    output:
+        model=directory(f"{R}/target/hf"),
+        info=f"{R}/target/target.json",
+        manifest=f"{R}/manifests/target.json",
+    log:
+        f"{R}/logs/target.log",
+    params:
+        config=config_json("target", "cache_dir"),
+        code=code_hash("model/convert.py"),
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} target --config {params.config:q} --out {output.model} --info {output.info}"
+        " --manifest {output.manifest} > {log} 2>&1"
+
+
+rule expand_dataset:
+    """Merge, normalise, dedupe, shuffle and split the configured chat sources."""
+    output:
+        train=f"{R}/data/expanded/train.parquet",
+        eval=f"{R}/data/expanded/eval.parquet",
+        report=f"{R}/data/expanded/report.json",
+        manifest=f"{R}/manifests/expand_dataset.json",
+    log:
+        f"{R}/logs/expand_dataset.log",
+    params:
+        config=config_json(
+            "seed",
+            "cache_dir",
+            "data.sources",
+            "data.on_bad_row",
+            "data.max_turns",
+            "data.max_chars",
+            "data.train_rows",
+            "data.eval_rows",
+        ),
+        local_sources=local_source_hashes(),
+        code=DATA_CODE,
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} expand --config {params.config:q} --train {output.train} --eval {output.eval}"
+        " --report {output.report} --manifest {output.manifest} > {log} 2>&1"
+
+
+SHARDS = config["data"]["regenerate"]["shards"]
+
+
+rule regenerate_shard:
+    """Rewrite assistant turns of one shard with the target's greedy output (resumable)."""
+    input:
+        rows=f"{R}/data/expanded/{{split}}.parquet",
+        target=target_dir(),
+    output:
+        shard=f"{R}/data/regenerated/{{split}}.shard{{shard}}-of-{SHARDS}.parquet",
+        manifest=f"{R}/manifests/regenerate_{{split}}_{{shard}}.json",
+    log:
+        f"{R}/logs/regenerate_{{split}}_{{shard}}.log",
+    threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    params:
+        config=config_json("data.regenerate"),
+        target=target_fingerprint(),
+        workdir=f"{R}/work/regenerate/{{split}}",
+        code=DATA_CODE,
+        env=ENV_HASH,
+    shell:
+        "OMP_NUM_THREADS={threads} {DFLASH} regenerate --config {params.config:q}"
+        " --target {input.target} --input {input.rows} --output {output.shard}"
+        " --workdir {params.workdir} --shard {wildcards.shard} --shards {SHARDS}"
+        " --manifest {output.manifest} > {log} 2>&1"
+
+
+rule regenerate:
+    """Merge the shards back into the expanded split's row order, checking every row is there."""
+    input:
+        rows=f"{R}/data/expanded/{{split}}.parquet",
+        shards=expand(
+            f"{R}/data/regenerated/{{{{split}}}}.shard{{shard}}-of-{SHARDS}.parquet",
+            shard=range(SHARDS),
+        ),
+    output:
+        rows=f"{R}/data/regenerated/{{split}}.parquet",
+        manifest=f"{R}/manifests/regenerate_{{split}}.json",
+    log:
+        f"{R}/logs/regenerate_{{split}}.log",
+    params:
+        code=DATA_CODE,
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} merge-shards --config '{{}}' --input {input.rows} --shard-files {input.shards}"
+        " --output {output.rows} --manifest {output.manifest} > {log} 2>&1"
+
+
+rule tokenize:
+    """Render with the target's chat template; loss mask on assistant content + end of turn."""
+    input:
+        rows=lambda wc: regenerated(wc.split),
+        target=target_dir(),
+    output:
+        rows=f"{R}/data/tokenized/{{split}}.parquet",
+        report=f"{R}/data/tokenized/{{split}}.report.json",
+        manifest=f"{R}/manifests/tokenize_{{split}}.json",
+    log:
+        f"{R}/logs/tokenize_{{split}}.log",
+    threads: config["data"]["num_proc"]
+    params:
+        config=config_json("data.max_length", "data.num_proc"),
+        target=target_fingerprint(),
+        code=DATA_CODE,
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} tokenize --config {params.config:q} --target {input.target}"
+        " --input {input.rows} --output {output.rows} --manifest {output.manifest} > {log} 2>&1"

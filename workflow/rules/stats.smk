@@ -1,0 +1,28 @@
+# Length statistics of the tokenized training data: the bucket table batching will use.
+
+
+rule length_stats:
+    """Count, mean, percentiles, histogram, bucket table, drift against a previous run."""
+    input:
+        rows=f"{R}/data/tokenized/train.parquet",
+    output:
+        json=f"{R}/data/stats/stats.json",
+        plot=report(
+            f"{R}/data/stats/stats.png", category="Data", caption="../report/stats.rst"
+        ),
+        manifest=f"{R}/manifests/length_stats.json",
+    log:
+        f"{R}/logs/length_stats.log",
+    params:
+        config=config_json(
+            "data.buckets",
+            "data.max_length",
+            "data.token_budget",
+            "data.max_batch_size",
+            "data.previous_stats",
+        ),
+        code=DATA_CODE,
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} stats --config {params.config:q} --input {input.rows} --json {output.json}"
+        " --plot {output.plot} --manifest {output.manifest} > {log} 2>&1"
