@@ -1,0 +1,314 @@
+"""The DFlash drafter: Qwen3-style layers whose keys/values also cover the target's context.
+
+Per layer, queries come only from the block tokens; keys and values are the same projections
+applied to `[context; block]`, with q/k RMSNorm and RoPE on the true positions. The context is
+`hidden_norm(fc(concat of target layer features))`. The embedding and LM head are the target's
+(frozen, not saved). Saved as an HF directory whose keys and config fields are the ones the public
+DFlash loader reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash.io import atomic_path, write_json
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    rope_scaling: dict | None = field(default=None)
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        target_layer_ids: list[int] | None = None,
+    ) -> DrafterConfig:
+        """Width, heads and RoPE from the target; depth, block size and mask token from us."""
+        from dflash.model.target import default_layer_ids
+
+        t = (
+            target_config.get_text_config()
+            if hasattr(target_config, "get_text_config")
+            else target_config
+        )
+        rope = getattr(t, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if scaling and scaling.get("rope_type", "default") == "default":
+            scaling = None
+        return cls(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+            vocab_size=t.vocab_size,
+            block_size=block_size,
+            num_target_layers=t.num_hidden_layers,
+            target_layer_ids=target_layer_ids or default_layer_ids(t.num_hidden_layers, num_layers),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=theta,
+            max_position_embeddings=t.max_position_embeddings,
+            rope_scaling=scaling,
+        )
+
+    def to_hf(self) -> dict:
+        """config.json as the public DFlash loader reads it (Qwen3 fields + DFlash fields)."""
+        d = asdict(self)
+        dflash = {
+            "mask_token_id": d.pop("mask_token_id"),
+            "target_layer_ids": d.pop("target_layer_ids"),
+        }
+        rope_parameters = {
+            "rope_theta": self.rope_theta,
+            "rope_type": "default",
+            **(self.rope_scaling or {}),
+        }
+        d.pop("rope_scaling")
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **d,
+            "rope_parameters": rope_parameters,
+            "rope_scaling": self.rope_scaling,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def from_hf(cls, d: dict) -> DrafterConfig:
+        names = cls.__dataclass_fields__
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.update(d["dflash_config"])
+        if "rope_theta" not in kwargs and "rope_parameters" in d:
+            kwargs["rope_theta"] = d["rope_parameters"]["rope_theta"]
+        return cls(**kwargs)
+
+    def qwen3(self):
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            **{
+                k: v
+                for k, v in self.to_hf().items()
+                if k not in ("architectures", "dflash_config", "model_type")
+            }
+        )
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: (b, heads, n, d); cos/sin: (b, n, d)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_kv, attend, past_kv=None):
+        """Returns the output and the (k, v) of the new context rows, for a KV cache."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)  # one projection for context and block
+        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim))
+        k = k.transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_kv)
+        new_ctx_kv = (k[:, :, : ctx.shape[1]], v[:, :, : ctx.shape[1]])
+        if past_kv is not None:
+            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
+        out = attend(q, k, v)
+        return self.o_proj(
+            out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
+        ), new_ctx_kv
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_kv, attend, past_kv=None):
+        h, new_kv = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend, past_kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class DrafterCache:
+    """Per-layer K/V of the committed context (block rows are never cached)."""
+
+    def __init__(self):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self):
+        return 0 if not self.kv else self.kv[0][0].shape[2]
+
+    def layer(self, i):
+        return self.kv[i] if self.kv else None
+
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]]):
+        if not self.kv:
+            self.kv = new
+        else:
+            self.kv = [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                for (k0, v0), (k1, v1) in zip(self.kv, new, strict=True)
+            ]
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        self.config = config
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(
+            len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False
+        )
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Qwen3RotaryEmbedding(config.qwen3())
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def rope(self, x, positions):
+        cos, sin = self.rotary(x, positions)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def forward(
+        self,
+        block_embeds,
+        ctx_features,
+        block_positions,
+        ctx_positions,
+        attend,
+        cache: DrafterCache | None = None,
+    ):
+        """Final hidden states (after `norm`) of the block tokens.
+
+        block_embeds: (b, q, H) target embeddings of the block tokens; ctx_features: (b, s, n*H)
+        new context features (all of them in training; only not-yet-cached ones with a cache);
+        attend(q, k, v) realises the attention mask.
+        """
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        x = block_embeds
+        rope_q = self.rope(x, block_positions)
+        rope_kv = self.rope(x, torch.cat([ctx_positions, block_positions], dim=1))
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            past = cache.layer(i) if cache is not None else None
+            x, kv = layer(x, ctx, rope_q, rope_kv, attend, past)
+            new_kv.append(kv)
+        if cache is not None:
+            cache.append(new_kv)
+        return self.norm(x)
+
+
+WEIGHTS = "model.safetensors"
+
+
+def save_drafter(model: Drafter, directory: str | Path, dtype=torch.bfloat16) -> None:
+    """Write config.json + model.safetensors atomically (as a whole directory)."""
+    with atomic_path(directory, is_dir=True) as tmp:
+        state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        config = model.config.to_hf()
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        write_json(tmp / "config.json", config)
+
+
+def load_drafter(directory: str | Path, dtype=torch.float32, device="cpu") -> Drafter:
+    directory = Path(directory)
+    config = DrafterConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    with torch.device(device):
+        model = Drafter(config)
+    state = load_file(directory / WEIGHTS, device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing keys {missing}, unexpected keys {unexpected}")
+    return model.to(dtype)

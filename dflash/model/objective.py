@@ -1,0 +1,245 @@
+"""The DFlash training objective: anchors, blocks, the attention mask, and the weighted loss.
+
+For each sample, up to `max_anchors` anchor positions `a` (both `a` and `a+1` trainable) are drawn
+from a seeded generator. Block n is `[ids[a], MASK x (B-1)]` at positions `a .. a+B-1`; it sees the
+target's context features strictly before its anchor and its own block (both directions), nothing
+else. The loss is CE on `ids[a+k]` for slots k = 1..B-1 with weight `exp(-(k-1)/gamma)` times the
+loss mask at `a+k`, normalised by the weight sum. The number of blocks per sample is always
+`max_anchors` (missing ones are padding that sees nothing), so shapes, and compiled kernels, do not
+depend on how many anchors a sample happened to have.
+
+The mask has one definition (`dflash_mask_mod`) and two realisations: a flex_attention BlockMask
+(GPU) and a dense boolean mask for scaled_dot_product_attention (CPU, where torch's flex_attention
+has no backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def default_gamma(block_size: int) -> float:
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # (b, n) anchor positions (0 for padding blocks)
+    valid: torch.Tensor  # (b, n) bool: a real block
+    ids: torch.Tensor  # (b, n*B) block token ids
+    positions: torch.Tensor  # (b, n*B) RoPE positions
+    labels: torch.Tensor  # (b, n, B) target ids (slot 0 unused)
+    weights: torch.Tensor  # (b, n, B) loss weights (slot 0 and padding are 0)
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator):
+    """Up to `max_anchors` sorted anchors per sample where positions a and a+1 are trainable."""
+    b, s = loss_mask.shape
+    eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
+    eligible[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
+    # Random keys on CPU from the seeded generator: the same draw on every device.
+    keys = torch.rand((b, s), generator=generator).to(loss_mask.device)
+    keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
+    k = min(max_anchors, s)
+    picked = keys.topk(k, dim=1, largest=False)
+    valid = picked.values < 2.0
+    anchors = torch.where(valid, picked.indices, torch.zeros_like(picked.indices))
+    # Sort real anchors ascending, padding last.
+    order = torch.where(valid, anchors, torch.full_like(anchors, s)).argsort(dim=1)
+    anchors, valid = anchors.gather(1, order), valid.gather(1, order)
+    if k < max_anchors:
+        pad = max_anchors - k
+        anchors = F.pad(anchors, (0, pad))
+        valid = F.pad(valid, (0, pad), value=False)
+    return anchors, valid
+
+
+def make_blocks(
+    input_ids, loss_mask, anchors, valid, block_size: int, mask_token_id: int, gamma: float
+) -> Blocks:
+    b, s = input_ids.shape
+    n = anchors.shape[1]
+    offsets = torch.arange(block_size, device=input_ids.device)
+    pos = anchors[:, :, None] + offsets  # (b, n, B)
+    in_seq = pos < s
+    gathered = lambda t: torch.where(
+        in_seq, t.gather(1, pos.clamp(max=s - 1).view(b, -1)).view(b, n, -1), 0
+    )  # noqa: E731
+    labels = gathered(input_ids)
+    mask_at = gathered(loss_mask).bool()
+    slot_weight = torch.exp(-(offsets.float() - 1) / gamma)
+    slot_weight[0] = 0.0
+    weights = slot_weight * (mask_at & valid[:, :, None])
+    ids = torch.full(
+        (b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    return Blocks(anchors, valid, ids.view(b, -1), pos.view(b, -1), labels, weights.float())
+
+
+def dflash_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block_size: int):
+    """mask_mod(b, h, q, kv): may block query q of sample b attend to key kv?
+
+    Keys are `[context (ctx_len); block tokens (n*B)]`. Written with tensor ops only, so it
+    works both inside flex_attention and when broadcast over index grids.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        anchor = anchors[b, block]
+        real = valid[b, block]
+        sees_context = (kv_idx < ctx_len) & (kv_idx < anchor)
+        own_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == block)
+        return real & (sees_context | own_block)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """(b, q, kv) bool, evaluating mask_mod on broadcast index grids."""
+    b = torch.arange(batch, device=device)[:, None, None]
+    q = torch.arange(q_len, device=device)[None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, :]
+    return mask_mod(b, 0, q, kv)
+
+
+def block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device, compile: bool = False):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(
+        mask_mod, B=batch, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device, _compile=compile
+    )
+
+
+def sdpa_attend(mask: torch.Tensor):
+    """Attention with a dense mask. Rows that see nothing (padding blocks) output zeros, as in
+    flex_attention; they are given a harmless full row first, since an all-False row makes SDPA
+    return NaN and poisons the backward pass."""
+    empty = ~mask.any(-1, keepdim=True)  # (b, q, 1)
+    safe = (mask | empty)[:, None]
+
+    def attend(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, enable_gqa=True)
+        return out.masked_fill(empty[:, None], 0.0)
+
+    return attend
+
+
+def flex_attend(mask, compiled: bool = False):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def attend(q, k, v):
+        return fn(q, k, v, block_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+def full_attend(q, k, v):
+    """Inference: the block sees all cached context and itself."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _chunk_ce(hidden, head_weight, labels, weights):
+    logits = (hidden @ head_weight.t()).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    correct = logits.argmax(-1) == labels
+    return (ce * weights).sum(), correct
+
+
+def chunked_lm_loss(hidden, head_weight, labels, weights, chunk_tokens: int = 4096):
+    """sum(weights * CE(hidden @ head.T, labels)) and per-token correctness.
+
+    Logits exist for one chunk at a time: each chunk is checkpointed, so its logits are freed
+    after the forward and recomputed in the backward. hidden: (T, H), labels/weights: (T,).
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            loss, ok = checkpoint(
+                _chunk_ce, hidden[sl], head_weight, labels[sl], weights[sl], use_reentrant=False
+            )
+        else:
+            loss, ok = _chunk_ce(hidden[sl], head_weight, labels[sl], weights[sl])
+        total = total + loss
+        correct.append(ok)
+    return total, torch.cat(correct)
+
+
+def block_metrics(correct: torch.Tensor, blocks: Blocks) -> dict:
+    """Accuracy per slot and teacher-forced τ over real blocks (slot 0 is given, so τ counts it).
+
+    A slot whose label is untrainable or past the sequence counts as a miss, so τ is what a
+    verifier would accept on this data, never more.
+    """
+    b, n, bs = blocks.labels.shape
+    ok = correct.view(b, n, bs)[:, :, 1:] & (blocks.weights[:, :, 1:] > 0)
+    real = blocks.valid
+    if not real.any():
+        return {"tau": float("nan"), "acc": [float("nan")] * (bs - 1), "blocks": 0}
+    ok = ok[real].float()
+    accepted = ok.cumprod(dim=1).sum(dim=1)
+    return {
+        "tau": 1.0 + accepted.mean().item(),
+        "acc": ok.mean(0).tolist(),
+        "blocks": int(real.sum()),
+    }
+
+
+def dflash_loss(
+    drafter,
+    embed_tokens,
+    head_weight,
+    features,
+    input_ids,
+    loss_mask,
+    generator,
+    max_anchors: int,
+    gamma: float | None = None,
+    backend: str = "sdpa",
+    chunk_tokens: int = 4096,
+    compiled_flex: bool = False,
+):
+    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H)."""
+    cfg = drafter.config
+    bs = cfg.block_size
+    gamma = gamma or default_gamma(bs)
+    b, s = input_ids.shape
+    anchors, valid = sample_anchors(loss_mask, max_anchors, generator)
+    blocks = make_blocks(input_ids, loss_mask, anchors, valid, bs, cfg.mask_token_id, gamma)
+    q_len, kv_len = blocks.ids.shape[1], s + blocks.ids.shape[1]
+    mod = dflash_mask_mod(anchors, valid, s, bs)
+    if backend == "flex":
+        attend = flex_attend(
+            block_mask(mod, b, q_len, kv_len, input_ids.device, compile=compiled_flex),
+            compiled=compiled_flex,
+        )
+    else:
+        attend = sdpa_attend(dense_mask(mod, b, q_len, kv_len, input_ids.device))
+    ctx_positions = torch.arange(s, device=input_ids.device).expand(b, s)
+    with torch.no_grad():
+        block_embeds = embed_tokens(blocks.ids)
+    hidden = drafter(
+        block_embeds.to(features.dtype), features, blocks.positions, ctx_positions, attend
+    )
+    weights = blocks.weights.view(-1)
+    total, correct = chunked_lm_loss(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head_weight,
+        blocks.labels.view(-1),
+        weights,
+        chunk_tokens,
+    )
+    denom = weights.sum().clamp(min=1e-6)
+    loss = total / denom
+    metrics = block_metrics(correct, blocks)
+    metrics["loss"] = loss.item() if math.isfinite(loss.item()) else float("nan")
+    return loss, metrics

@@ -1,0 +1,78 @@
+"""The frozen target: context features from a few of its layers, plus its embedding and LM head.
+
+Only layers up to the deepest one the drafter reads are kept: the forward stops there (no later
+layers, no LM head) and forward hooks keep just the selected layers' outputs alive.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spaced from layer 1 to L-3 (DESIGN 4); layer i is `hidden_states[i + 1]`."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [
+        round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)
+    ]
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (the module holding `.layers`) of a causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if not hasattr(base, "layers"):
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder layers")
+    return base
+
+
+class TargetFeatures(nn.Module):
+    """Concatenated hidden states of `layer_ids` for a batch, from a truncated frozen target."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        decoder = _decoder(model)
+        n_layers = len(decoder.layers)
+        if not all(0 <= i < n_layers for i in self.layer_ids):
+            raise ValueError(f"target_layer_ids {self.layer_ids} outside 0..{n_layers - 1}")
+        keep = max(self.layer_ids) + 1
+        decoder.layers = nn.ModuleList(list(decoder.layers)[:keep])
+        decoder.config.num_hidden_layers = keep
+        if getattr(decoder.config, "layer_types", None):
+            decoder.config.layer_types = decoder.config.layer_types[:keep]
+        self.decoder = decoder
+        self.requires_grad_(False)
+        self.eval()
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            decoder.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def capture(module, args, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return capture
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        self._captured.clear()
+        self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return features
+
+
+def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remote_code=False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval().requires_grad_(False)
