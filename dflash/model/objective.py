@@ -67,9 +67,11 @@ def make_blocks(
     offsets = torch.arange(block_size, device=input_ids.device)
     pos = anchors[:, :, None] + offsets  # (b, n, B)
     in_seq = pos < s
-    gathered = lambda t: torch.where(
-        in_seq, t.gather(1, pos.clamp(max=s - 1).view(b, -1)).view(b, n, -1), 0
-    )  # noqa: E731
+    flat = pos.clamp(max=s - 1).view(b, -1)
+
+    def gathered(t):  # t at each block position, 0 past the sequence end
+        return torch.where(in_seq, t.gather(1, flat).view(b, n, -1), 0)
+
     labels = gathered(input_ids)
     mask_at = gathered(loss_mask).bool()
     slot_weight = torch.exp(-(offsets.float() - 1) / gamma)
