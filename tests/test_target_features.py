@@ -1,0 +1,69 @@
+"""Target features from the real SmolLM2 target, and a drafter that learns from them."""
+
+import polars as pl
+import pytest
+import torch
+
+from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.objective import dflash_loss
+from dflash.model.target import TargetFeatures, default_layer_ids, load_target
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_workflow):
+    rows = pl.read_parquet(tiny_workflow.results / "data/tokenized/train.parquet").head(2)
+    width = rows["length"].max()
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, row in enumerate(rows.iter_rows(named=True)):
+        ids[i, : row["length"]] = torch.tensor(row["input_ids"])
+        mask[i, : row["length"]] = torch.tensor(row["loss_mask"])
+    return ids, mask, rows["length"].to_list()
+
+
+def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
+    ids, _, lengths = batch
+    attention = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    full = load_target(target_dir)
+    with torch.no_grad():
+        hidden = full(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states
+    layer_ids = default_layer_ids(full.config.num_hidden_layers, 5)
+    expected = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
+
+    features = TargetFeatures(load_target(target_dir), layer_ids)
+    calls = []
+    for layer in features.decoder.layers:
+        layer.register_forward_hook(lambda *a: calls.append(1))
+    got = features(ids, attention)
+    assert len(features.decoder.layers) == max(layer_ids) + 1 == 28
+    assert len(calls) == 28  # layers 28 and 29 and the LM head never run
+    valid = attention.bool()
+    assert torch.allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_overfits_one_batch(target_dir, batch):
+    ids, loss_mask, _ = batch
+    target = load_target(target_dir)
+    layer_ids = default_layer_ids(target.config.num_hidden_layers, 1)
+    features = TargetFeatures(target, layer_ids)
+    feats = features(ids)
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=3,
+                                   target_layer_ids=layer_ids)
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3, weight_decay=0.0)
+    head = features.lm_head.weight
+    history = []
+    for _ in range(120):
+        gen = torch.Generator().manual_seed(0)  # the same anchors every step: memorise them
+        loss, metrics = dflash_loss(drafter, features.embed_tokens, head, feats, ids, loss_mask,
+                                    gen, max_anchors=8)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(metrics)
+    assert history[0]["tau"] < 1.5
+    assert history[-1]["tau"] > 3.0, [round(m["tau"], 2) for m in history]
+    assert history[-1]["loss"] < 0.3 * history[0]["loss"]
