@@ -1,0 +1,103 @@
+"""warmup_compile: compile the drafter training step for every bucket shape, on one thread.
+
+Why: compiling from several threads or processes at once serialises on a global lock and races in
+FX tracing (seen as crashes when one thread traces while another runs compiled code), and without a
+persistent cache every training process spends minutes recompiling on every start or resume. This
+stage compiles each (batch size, bucket length) shape of the length-stats bucket table once, in
+one process, into the inductor/Triton cache that training processes then point at.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from dflash.io import read_json, write_json
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir(config: dict) -> Path:
+    return Path(config["compile"]["cache_dir"] or Path(config["results"]) / "compile-cache")
+
+
+def use_cache(path: Path) -> None:
+    """Point inductor and Triton at the shared cache (must happen before the first compile)."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(path / "triton"))
+
+
+def bucket_shapes(stats: dict) -> list[tuple[int, int]]:
+    """(batch size, padded length) of every non-empty bucket."""
+    return [(b["batch_size"], b["upper"]) for b in stats["buckets"] if b["rows"] > 0]
+
+
+def tree_size(path: Path) -> tuple[int, int]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[dict]:
+    import torch
+    from transformers import AutoConfig
+
+    from dflash.model.drafter import Drafter, DrafterConfig
+    from dflash.model.step import TrainStep, resolve_attention, resolve_device
+
+    dcfg, ccfg = config["drafter"], config["compile"]
+    device = resolve_device(ccfg["device"])
+    attention = resolve_attention(ccfg["attention"], device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target_config = AutoConfig.from_pretrained(target_dir)
+    mask_id = config["target"]["mask_token_id"] or 0  # a value, not a shape: irrelevant here
+    cfg = DrafterConfig.for_target(target_config, dcfg["num_layers"], dcfg["block_size"], mask_id,
+                                   dcfg["target_layer_ids"])
+    torch.manual_seed(0)
+    drafter = Drafter(cfg).to(device, dtype)
+    # Weights do not matter for compilation, only shapes, dtypes and devices.
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype).requires_grad_(False)
+    step = TrainStep(drafter, embed, embed.weight, max_anchors=dcfg["max_anchors"],
+                     gamma=dcfg["gamma"], attention=attention, compile=ccfg["enabled"])
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    records = []
+    for batch, length in shapes:
+        ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
+        loss_mask = torch.ones_like(ids)
+        loss_mask[:, : length // 4] = 0
+        feats = torch.randn(batch, length, width, device=device, dtype=dtype)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            step(feats, ids, loss_mask, torch.Generator().manual_seed(i))
+            drafter.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        records.append({"batch": batch, "length": length, "first_step_s": round(times[0], 2),
+                        "step_s": round(min(times[1:] or times), 3)})
+        log.info("warmup %s", records[-1])
+    return records, {"device": str(device), "attention": attention, "dtype": str(dtype)}
+
+
+def run(args) -> None:
+    config = args.config
+    cache = Path(args.cache_dir) if args.cache_dir else cache_dir(config)
+    use_cache(cache)
+    import torch
+
+    # One thread of compilation, one process: the point of this stage.
+    shapes = bucket_shapes(read_json(args.stats))
+    record = {"torch": torch.__version__, "enabled": config["compile"]["enabled"],
+              "cache_dir": str(cache), "shapes": []}
+    started = time.perf_counter()
+    if config["compile"]["enabled"]:
+        record["shapes"], setup = warm_shapes(args.target, config, shapes)
+        record.update(setup)
+    else:
+        record["note"] = "compile.enabled is false: training runs eager; nothing to warm"
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    record["cache_files"], record["cache_bytes"] = tree_size(cache)
+    write_json(args.record, record)
