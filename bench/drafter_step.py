@@ -33,11 +33,22 @@ PEAK_BF16 = 989e12  # H200 / H100 SXM dense bf16
 
 
 def qwen3_8b_drafter(layers=5, block=16):
-    return DrafterConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         vocab_size=151936, block_size=block, num_target_layers=36,
-                         target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669,
-                         rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960)
+    return DrafterConfig(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        block_size=block,
+        num_target_layers=36,
+        target_layer_ids=[1, 9, 17, 25, 33],
+        mask_token_id=151669,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+    )
 
 
 def inputs(cfg, b, s, anchors, device, seed=0):
@@ -59,11 +70,21 @@ def attend_for(backend, mod, b, q, kv, device):
 
 def correctness(device):
     """Compiled flex_attention vs SDPA+dense mask: outputs and gradients on a small config."""
-    cfg = DrafterConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                        vocab_size=1000, block_size=16, num_target_layers=12,
-                        target_layer_ids=[1, 5, 9], mask_token_id=3, rope_theta=1e6,
-                        max_position_embeddings=4096)
+    cfg = DrafterConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        block_size=16,
+        num_target_layers=12,
+        target_layer_ids=[1, 5, 9],
+        mask_token_id=3,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+    )
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -84,8 +105,10 @@ def correctness(device):
             grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
             results[backend] = (h.float(), grads)
         rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-        out[str(dtype)] = {"hidden_rel_err": rel(results["flex"][0], results["sdpa"][0]),
-                           "grad_rel_err": rel(results["flex"][1], results["sdpa"][1])}
+        out[str(dtype)] = {
+            "hidden_rel_err": rel(results["flex"][0], results["sdpa"][0]),
+            "grad_rel_err": rel(results["flex"][1], results["sdpa"][1]),
+        }
     return out
 
 
@@ -93,10 +116,12 @@ def useful_flops(cfg, s, n_blocks_valid, anchors_mean):
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     kvd = cfg.num_key_value_heads * cfg.head_dim
     t = n_blocks_valid * cfg.block_size
-    per_layer = (2 * t * h * h * 2  # q, o
-                 + 2 * (s + t) * h * kvd * 2  # k, v over context + block
-                 + 2 * t * h * i * 3  # mlp
-                 + 4 * t * (anchors_mean + cfg.block_size) * cfg.head_dim * cfg.num_attention_heads)
+    per_layer = (
+        2 * t * h * h * 2  # q, o
+        + 2 * (s + t) * h * kvd * 2  # k, v over context + block
+        + 2 * t * h * i * 3  # mlp
+        + 4 * t * (anchors_mean + cfg.block_size) * cfg.head_dim * cfg.num_attention_heads
+    )
     trained = cfg.num_hidden_layers * per_layer + 2 * s * len(cfg.target_layer_ids) * h * h
     head = 2 * t * h * v
     return 3 * trained + 2 * head
@@ -144,11 +169,19 @@ def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False):
     t = sorted(times)[len(times) // 2]
     anchors_mean = a[v].float().mean().item()
     flops = useful_flops(cfg, s, int(v.sum()), anchors_mean)
-    return {"backend": backend, "ce": ce, "compiled_model": compile_model, "anchors": anchors,
-            "seq": s, "step_s": round(t, 4), "first_step_s": round(first, 1),
-            "tflops": round(flops / t / 1e12, 1), "mfu": round(flops / t / PEAK_BF16, 4),
-            "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
-            "block_tokens_per_s": round(int(v.sum()) * cfg.block_size / t)}
+    return {
+        "backend": backend,
+        "ce": ce,
+        "compiled_model": compile_model,
+        "anchors": anchors,
+        "seq": s,
+        "step_s": round(t, 4),
+        "first_step_s": round(first, 1),
+        "tflops": round(flops / t / 1e12, 1),
+        "mfu": round(flops / t / PEAK_BF16, 4),
+        "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+        "block_tokens_per_s": round(int(v.sum()) * cfg.block_size / t),
+    }
 
 
 def main():
@@ -159,8 +192,12 @@ def main():
     p.add_argument("--configs", default="flex:chunked,sdpa:chunked,flex:full,flex:chunked:compiled")
     args = p.parse_args()
     device = torch.device("cuda")
-    report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "correctness": correctness(device), "steps": []}
+    report = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "correctness": correctness(device),
+        "steps": [],
+    }
     print(json.dumps(report["correctness"], indent=1), flush=True)
     for spec in args.configs.split(","):
         backend, ce, *rest = spec.split(":")
@@ -173,13 +210,17 @@ def main():
         print(json.dumps(r), flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    print(f"{'backend':8} {'ce':8} {'comp':5} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}")
+    print(
+        f"{'backend':8} {'ce':8} {'comp':5} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8}"
+    )
     for r in report["steps"]:
         if "error" in r:
             print(r)
             continue
-        print(f"{r['backend']:8} {r['ce']:8} {str(r['compiled_model']):5} {r['step_s']:8.4f} "
-              f"{r['tflops']:8.1f} {r['mfu']:6.3f} {r['peak_gb']:8.2f}")
+        print(
+            f"{r['backend']:8} {r['ce']:8} {str(r['compiled_model']):5} {r['step_s']:8.4f} "
+            f"{r['tflops']:8.1f} {r['mfu']:6.3f} {r['peak_gb']:8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,29 @@ def child(cache: str) -> None:
     from dflash.model.warmup import tree_size, warm_shapes
 
     # The resolved config subset warm_shapes reads (written out: the GPU image has no jsonschema).
-    config = {"drafter": {"num_layers": 5, "block_size": 16, "max_anchors": 256, "gamma": None,
-                          "target_layer_ids": None},
-              "compile": {"enabled": True, "device": "auto", "attention": "auto"},
-              "target": {"mask_token_id": 151669}}
+    config = {
+        "drafter": {
+            "num_layers": 5,
+            "block_size": 16,
+            "max_anchors": 256,
+            "gamma": None,
+            "target_layer_ids": None,
+        },
+        "compile": {"enabled": True, "device": "auto", "attention": "auto"},
+        "target": {"mask_token_id": 151669},
+    }
     t0 = time.perf_counter()
     records, setup = warm_shapes(Path(__file__).parent / "qwen3-8b-config", config, SHAPES, steps=3)
-    print(json.dumps({"seconds": round(time.perf_counter() - t0, 1), "shapes": records, **setup,
-                      "cache_files": tree_size(Path(cache))[0]}))
+    print(
+        json.dumps(
+            {
+                "seconds": round(time.perf_counter() - t0, 1),
+                "shapes": records,
+                **setup,
+                "cache_files": tree_size(Path(cache))[0],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
@@ -40,7 +55,10 @@ if __name__ == "__main__":
         child(args.cache)
         sys.exit()
     for label in ("cold", "warm"):
-        out = subprocess.run([sys.executable, __file__, "--cache", args.cache, "--child"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--cache", args.cache, "--child"],
+            capture_output=True,
+            text=True,
+        )
         last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-3000:]
         print(label, last, flush=True)

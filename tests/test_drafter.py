@@ -289,3 +289,31 @@ def test_default_layer_ids():
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]
     assert default_layer_ids(30, 1) == [15]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flex_attention_equals_sdpa_forward_and_backward_on_gpu():
+    cfg = tiny_config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, block_size=16
+    )
+    model = Drafter(cfg).cuda()
+    ids, blocks, feats, embed, anchors, valid = training_inputs(cfg, b=2, s=200, n=8)
+    b, s = ids.shape
+    q_len = blocks.ids.shape[1]
+    mod = dflash_mask_mod(anchors.cuda(), valid.cuda(), s, cfg.block_size)
+    x, feats = embed(blocks.ids).detach().cuda(), feats.cuda()
+    pos = torch.arange(s, device="cuda").expand(b, s)
+    out = {}
+    for name, attend in [
+        ("sdpa", sdpa_attend(dense_mask(mod, b, q_len, s + q_len, "cuda"))),
+        (
+            "flex",
+            flex_attend(block_mask(mod, b, q_len, s + q_len, "cuda", compile=True), compiled=True),
+        ),
+    ]:
+        model.zero_grad()
+        h = model(x, feats, blocks.positions.cuda(), pos, attend)
+        h.pow(2).mean().backward()
+        out[name] = (h.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(out["flex"][0], out["sdpa"][0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(out["flex"][1], out["sdpa"][1], atol=1e-4, rtol=1e-3)

@@ -28,7 +28,9 @@ def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
     attention = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
     full = load_target(target_dir)
     with torch.no_grad():
-        hidden = full(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states
+        hidden = full(
+            input_ids=ids, attention_mask=attention, output_hidden_states=True
+        ).hidden_states
     layer_ids = default_layer_ids(full.config.num_hidden_layers, 5)
     expected = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
 
@@ -49,8 +51,9 @@ def test_drafter_overfits_one_batch(target_dir, batch):
     layer_ids = default_layer_ids(target.config.num_hidden_layers, 1)
     features = TargetFeatures(target, layer_ids)
     feats = features(ids)
-    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=8, mask_token_id=3,
-                                   target_layer_ids=layer_ids)
+    cfg = DrafterConfig.for_target(
+        target.config, num_layers=1, block_size=8, mask_token_id=3, target_layer_ids=layer_ids
+    )
     torch.manual_seed(0)
     drafter = Drafter(cfg)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3, weight_decay=0.0)
@@ -58,8 +61,9 @@ def test_drafter_overfits_one_batch(target_dir, batch):
     history = []
     for _ in range(120):
         gen = torch.Generator().manual_seed(0)  # the same anchors every step: memorise them
-        loss, metrics = dflash_loss(drafter, features.embed_tokens, head, feats, ids, loss_mask,
-                                    gen, max_anchors=8)
+        loss, metrics = dflash_loss(
+            drafter, features.embed_tokens, head, feats, ids, loss_mask, gen, max_anchors=8
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -25,8 +25,17 @@ def resolve_attention(name: str, device: torch.device) -> str:
 class TrainStep:
     """Forward + backward of the DFlash loss for one batch; optionally compiled."""
 
-    def __init__(self, drafter, embed_tokens, head_weight, *, max_anchors: int, gamma, attention,
-                 compile: bool):
+    def __init__(
+        self,
+        drafter,
+        embed_tokens,
+        head_weight,
+        *,
+        max_anchors: int,
+        gamma,
+        attention,
+        compile: bool,
+    ):
         self.drafter = drafter
         self.model = torch.compile(drafter, dynamic=False) if compile else drafter
         self.embed_tokens, self.head_weight = embed_tokens, head_weight
@@ -35,8 +44,16 @@ class TrainStep:
 
     def __call__(self, features, input_ids, loss_mask, generator):
         loss, metrics = dflash_loss(
-            self.model, self.embed_tokens, self.head_weight, features, input_ids, loss_mask,
-            generator, self.max_anchors, self.gamma, backend=self.attention,
+            self.model,
+            self.embed_tokens,
+            self.head_weight,
+            features,
+            input_ids,
+            loss_mask,
+            generator,
+            self.max_anchors,
+            self.gamma,
+            backend=self.attention,
             compiled_flex=self.compile and self.attention == "flex",
         )
         loss.backward()

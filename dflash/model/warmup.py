@@ -53,14 +53,24 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_config = AutoConfig.from_pretrained(target_dir)
     mask_id = config["target"]["mask_token_id"] or 0  # a value, not a shape: irrelevant here
-    cfg = DrafterConfig.for_target(target_config, dcfg["num_layers"], dcfg["block_size"], mask_id,
-                                   dcfg["target_layer_ids"])
+    cfg = DrafterConfig.for_target(
+        target_config, dcfg["num_layers"], dcfg["block_size"], mask_id, dcfg["target_layer_ids"]
+    )
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(device, dtype)
     # Weights do not matter for compilation, only shapes, dtypes and devices.
-    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype).requires_grad_(False)
-    step = TrainStep(drafter, embed, embed.weight, max_anchors=dcfg["max_anchors"],
-                     gamma=dcfg["gamma"], attention=attention, compile=ccfg["enabled"])
+    embed = (
+        torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype).requires_grad_(False)
+    )
+    step = TrainStep(
+        drafter,
+        embed,
+        embed.weight,
+        max_anchors=dcfg["max_anchors"],
+        gamma=dcfg["gamma"],
+        attention=attention,
+        compile=ccfg["enabled"],
+    )
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     records = []
     for batch, length in shapes:
@@ -76,8 +86,14 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        records.append({"batch": batch, "length": length, "first_step_s": round(times[0], 2),
-                        "step_s": round(min(times[1:] or times), 3)})
+        records.append(
+            {
+                "batch": batch,
+                "length": length,
+                "first_step_s": round(times[0], 2),
+                "step_s": round(min(times[1:] or times), 3),
+            }
+        )
         log.info("warmup %s", records[-1])
     return records, {"device": str(device), "attention": attention, "dtype": str(dtype)}
 
@@ -90,8 +106,12 @@ def run(args) -> None:
 
     # One thread of compilation, one process: the point of this stage.
     shapes = bucket_shapes(read_json(args.stats))
-    record = {"torch": torch.__version__, "enabled": config["compile"]["enabled"],
-              "cache_dir": str(cache), "shapes": []}
+    record = {
+        "torch": torch.__version__,
+        "enabled": config["compile"]["enabled"],
+        "cache_dir": str(cache),
+        "shapes": [],
+    }
     started = time.perf_counter()
     if config["compile"]["enabled"]:
         record["shapes"], setup = warm_shapes(args.target, config, shapes)
