@@ -169,48 +169,68 @@ def test_flex_attention_equals_sdpa_forward_on_cpu():
     assert torch.allclose(dense, flex, atol=1e-5, rtol=1e-5)
 
 
-def reference_block(model, cfg, ctx_features, block_embeds, ctx_len, anchor):
-    """One block, written out from the published equations with separate context/block
-    projections and an explicit softmax (no code shared with the model's attention)."""
-    ctx = model.hidden_norm(model.fc(ctx_features[:, :anchor]))
-    x = block_embeds
-    positions = torch.arange(anchor + cfg.block_size)[None]
-    cos, sin = model.rotary(x, positions)
+def reference_block(weights, config, ctx_features, block_embeds, anchor):
+    """One block, from a saved drafter's raw tensors and config.json alone, written out from the
+    published equations: separate context/block projections, explicit softmax, RoPE with the
+    queries taking the last B positions. Shares no code with dflash.model."""
+    bs, eps = config["block_size"], config["rms_norm_eps"]
+    nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    theta = config["rope_parameters"]["rope_theta"]
+
+    def rms(x, name):
+        x32 = x.float()
+        return weights[name] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(
+            x.dtype
+        )
+
+    def lin(x, name):
+        return x @ weights[name].t()
+
+    ctx = rms(lin(ctx_features[:, :anchor], "fc.weight"), "hidden_norm.weight")
+    positions = torch.arange(anchor + bs, dtype=torch.float32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angles = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = angles.cos(), angles.sin()
 
     def rope(t, c, s_):
-        half = t.shape[-1] // 2
-        rot = torch.cat([-t[..., half:], t[..., :half]], -1)
-        return t * c[:, None] + rot * s_[:, None]
+        half = hd // 2
+        return t * c + torch.cat([-t[..., half:], t[..., :half]], -1) * s_
 
-    rep = cfg.num_attention_heads // cfg.num_key_value_heads
-    for layer in model.layers:
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = att.q_norm(att.q_proj(h).view(1, -1, cfg.num_attention_heads, cfg.head_dim)).transpose(
-            1, 2
+    x = block_embeds
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, p + "input_layernorm.weight")
+        q = rms(
+            lin(h, p + "self_attn.q_proj.weight").view(1, bs, nh, hd), p + "self_attn.q_norm.weight"
         )
-        k = torch.cat([att.k_proj(ctx), att.k_proj(h)], 1).view(
-            1, -1, cfg.num_key_value_heads, cfg.head_dim
+        k = torch.cat(
+            [lin(ctx, p + "self_attn.k_proj.weight"), lin(h, p + "self_attn.k_proj.weight")], 1
         )
-        k = att.k_norm(k).transpose(1, 2)
-        v = (
-            torch.cat([att.v_proj(ctx), att.v_proj(h)], 1)
-            .view(1, -1, cfg.num_key_value_heads, cfg.head_dim)
-            .transpose(1, 2)
+        v = torch.cat(
+            [lin(ctx, p + "self_attn.v_proj.weight"), lin(h, p + "self_attn.v_proj.weight")], 1
         )
-        q = rope(q, cos[:, -cfg.block_size :], sin[:, -cfg.block_size :])
-        k = rope(k, cos, sin)
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-        out = scores.softmax(-1) @ v
-        x = x + att.o_proj(out.transpose(1, 2).reshape(1, cfg.block_size, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x)
+        k = rms(k.view(1, -1, nkv, hd), p + "self_attn.k_norm.weight")
+        v = v.view(1, -1, nkv, hd)
+        q = rope(q.transpose(1, 2), cos[-bs:], sin[-bs:])
+        k = rope(k.transpose(1, 2), cos, sin)
+        k = k.repeat_interleave(nh // nkv, 1)
+        v = v.transpose(1, 2).repeat_interleave(nh // nkv, 1)
+        out = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).softmax(-1) @ v
+        x = x + lin(out.transpose(1, 2).reshape(1, bs, nh * hd), p + "self_attn.o_proj.weight")
+        h = rms(x, p + "post_attention_layernorm.weight")
+        gate = F.silu(lin(h, p + "mlp.gate_proj.weight")) * lin(h, p + "mlp.up_proj.weight")
+        x = x + lin(gate, p + "mlp.down_proj.weight")
+    return rms(x, "norm.weight")
 
 
-def test_training_forward_matches_reference_and_kv_cache_inference():
+def test_training_forward_matches_reference_and_kv_cache_inference(tmp_path):
+    """A saved drafter, run by an independent reimplementation of the public loader's forward,
+    gives the training-mode outputs; so does the KV-cache inference path."""
     cfg = tiny_config()
     model = Drafter(cfg).eval()
+    save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    weights = load_file(tmp_path / "d" / "model.safetensors")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
     ids, blocks, feats, embed, anchors, valid = training_inputs(cfg, b=1, n=3)
     valid[:] = True
     anchors[0] = torch.tensor([4, 9, 15])
@@ -227,7 +247,7 @@ def test_training_forward_matches_reference_and_kv_cache_inference():
         train = model(x, feats, blocks.positions, torch.arange(s)[None], sdpa_attend(mask))
         for n, a in enumerate(anchors[0].tolist()):
             sl = slice(n * cfg.block_size, (n + 1) * cfg.block_size)
-            ref = reference_block(model, cfg, feats, x[:, sl], s, a)
+            ref = reference_block(weights, config, feats, x[:, sl], a)
             assert torch.allclose(train[:, sl], ref, atol=1e-5), f"block {n}"
         # Inference: context arrives in two chunks through the KV cache, then the block.
         a = anchors[0, 2].item()
