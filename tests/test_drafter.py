@@ -337,3 +337,30 @@ def test_flex_attention_equals_sdpa_forward_and_backward_on_gpu():
         out[name] = (h.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(out["flex"][0], out["sdpa"][0], atol=1e-4, rtol=1e-4)
     assert torch.allclose(out["flex"][1], out["sdpa"][1], atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_compiled_step_does_not_recompile_for_a_different_anchor_count():
+    from torch._dynamo.utils import counters
+
+    from dflash.model.step import TrainStep
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_config()
+    drafter = Drafter(cfg)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
+    step = TrainStep(
+        drafter, embed, embed.weight, max_anchors=4, gamma=None, attention="sdpa", compile=True
+    )
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    feats = torch.randn(2, 24, 3 * cfg.hidden_size)
+    many = torch.ones_like(ids)
+    one = torch.zeros_like(ids)
+    one[:, 5:7] = 1  # exactly one eligible anchor per sample
+    step(feats, ids, many, torch.Generator().manual_seed(0))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for loss_mask in (one, many, torch.zeros_like(ids)):
+        step(feats, ids, loss_mask, torch.Generator().manual_seed(1))
+    assert counters["stats"]["unique_graphs"] == graphs

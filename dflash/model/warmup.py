@@ -79,6 +79,8 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
         loss_mask[:, : length // 4] = 0
         feats = torch.randn(batch, length, width, device=device, dtype=dtype)
         times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for i in range(steps):
             t0 = time.perf_counter()
             step(feats, ids, loss_mask, torch.Generator().manual_seed(i))
@@ -96,6 +98,17 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
         )
         log.info("warmup %s", records[-1])
     return records, {"device": str(device), "attention": attention, "dtype": str(dtype)}
+
+
+def _peak_gb(device) -> float:
+    """Peak device memory of this shape on GPU; the process's peak RSS so far on CPU."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
 
 
 def run(args) -> None:
