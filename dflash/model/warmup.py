@@ -24,10 +24,14 @@ def cache_dir(config: dict) -> Path:
 
 
 def use_cache(path: Path) -> None:
-    """Point inductor and Triton at the shared cache (must happen before the first compile)."""
+    """Point inductor and Triton at the shared cache (must happen before the first compile).
+
+    Assigned, not defaulted: inductor exports TORCHINDUCTOR_CACHE_DIR into the environment of
+    any process that compiled, and a child inheriting that must still use the configured cache.
+    """
     path.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", str(path / "triton"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path.resolve() / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(path.resolve() / "triton")
 
 
 def bucket_shapes(stats: dict) -> list[tuple[int, int]]:
