@@ -14,17 +14,13 @@ from pathlib import Path
 
 import polars as pl
 
+from dflash.data.batching import bucket_batch_size, bucket_bounds
 from dflash.io import atomic_path, read_json, write_json
 from dflash.manifest import code_hash, write_manifest
 
 log = logging.getLogger(__name__)
 QUANTILES = (0.5, 0.9, 0.99)
 HISTOGRAM_BINS = 32
-
-
-def bucket_bounds(buckets: list[int], max_length: int) -> list[int]:
-    bounds = sorted({b for b in buckets if b < max_length} | {max_length})
-    return bounds
 
 
 def _summary(col: pl.Series) -> dict:
@@ -38,7 +34,7 @@ def bucket_table(lengths: pl.Series, bounds: list[int], token_budget: int, max_b
     rows, lower = [], 0
     for upper in bounds:
         in_bucket = lengths.filter((lengths > lower) & (lengths <= upper))
-        batch_size = max(1, min(max_batch_size, token_budget // upper))
+        batch_size = bucket_batch_size(upper, token_budget, max_batch_size)
         n = in_bucket.len()
         rows.append(
             {
