@@ -1,0 +1,1 @@
+"""Training: distributed roles, batching, optimiser and schedule, checkpoints, metrics."""

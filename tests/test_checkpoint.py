@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from dflash.train.checkpoint import (
+    ContractError,
+    check_contract,
+    latest_valid,
+    load_state,
+    save_checkpoint,
+)
+
+
+def state(step):
+    return {"model": {"w": torch.full((3,), float(step))}, "rng": torch.get_rng_state()}
+
+
+def test_keeps_last_k_and_resumes_newest(tmp_path):
+    for step in (100, 200, 300):
+        save_checkpoint(tmp_path, step, state(step), {"epoch": 0}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000200", "step-00000300"]
+    folder, meta = latest_valid(tmp_path)
+    assert meta["step"] == 300
+    assert torch.equal(load_state(folder)["model"]["w"], torch.full((3,), 300.0))
+
+
+def test_corrupt_newest_is_reported_and_skipped(tmp_path, caplog):
+    save_checkpoint(tmp_path, 1, state(1), {}, keep=3)
+    newest = save_checkpoint(tmp_path, 2, state(2), {}, keep=3)
+    data = bytearray((newest / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / "state.pt").write_bytes(bytes(data))
+    folder, meta = latest_valid(tmp_path)
+    assert meta["step"] == 1
+    assert "step-00000002 is corrupt (state.pt sha256 mismatch)" in caplog.text
+
+
+def test_interrupted_write_is_invisible(tmp_path):
+    save_checkpoint(tmp_path, 1, state(1), {}, keep=3)
+    with pytest.raises(RuntimeError):
+        save_checkpoint(tmp_path, 2, {"bad": _Unpicklable()}, {}, keep=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+    assert latest_valid(tmp_path)[1]["step"] == 1
+    assert latest_valid(tmp_path / "none") is None
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle")
+
+
+def test_contract_mismatch_names_the_keys(tmp_path):
+    check_contract({"block_size": 16}, {"block_size": 16}, tmp_path)
+    with pytest.raises(ContractError, match=r"block_size: checkpoint 16 != now 8"):
+        check_contract({"block_size": 16, "gamma": 7}, {"block_size": 8, "gamma": 7}, tmp_path)
