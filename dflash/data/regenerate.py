@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dflash.data.expand import read_rows
 from dflash.data.sources import DataError
+from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, write_manifest
 
@@ -72,7 +73,9 @@ class Generator:
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
         self.model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = sorted({self.tokenizer.eos_token_id, *self._config_eos()})
+        self.eos_ids = sorted({self.tokenizer.eos_token_id, *self._config_eos()} - {None})
+        if not self.eos_ids:
+            raise UserError(f"{target_dir}: the target defines no end-of-sequence token")
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_ids[0]

@@ -78,32 +78,35 @@ def _read_jsonl(data: bytes, label: str, info: SourceInfo) -> Iterator[RawRow]:
 def _read_json_array(data: bytes, label: str, info: SourceInfo) -> Iterator[RawRow]:
     """Decode a JSON array record by record, so a truncated file yields its complete records.
 
-    A file cut off mid-record (it does not end with `]`) is recovered up to the last complete
-    record and the lost tail is recorded in `info`; a malformed record inside a complete file is
-    an error, since nothing after it can be trusted.
+    A file cut off mid-record (the failing record runs into the end of the file, or the closing
+    `]` never comes) is recovered up to its last complete record and the lost tail is recorded in
+    `info`; a malformed record followed by more data is an error, since nothing after it can be
+    trusted.
     """
     text = data.decode("utf-8", errors="surrogateescape")
     start = len(text) - len(text.lstrip())
     if not text[start:].startswith("["):
         raise DataError(f"{label}: expected a JSON array of records or JSON lines (.jsonl)")
-    complete = text.rstrip().endswith("]")
     decoder = json.JSONDecoder()
-    pos, index, end = start + 1, 0, len(text)
+    pos, index, end = start + 1, 0, len(text.rstrip())
     while True:
         while pos < end and text[pos] in " \t\r\n,":
             pos += 1
-        if pos >= end or text[pos] == "]":
+        if pos >= end:  # no closing bracket: cut between records
+            info.truncated_tail_at, info.truncated_tail_bytes = index, len(text) - pos
+            return
+        if text[pos] == "]":
             return
         try:
             obj, pos_next = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            if complete:
+            if not (e.msg.startswith("Unterminated string") or e.pos >= end):
                 line = text.count("\n", 0, e.pos) + 1
                 raise DataError(
                     f"{label}: row {index} (line {line}): malformed JSON: {e.msg}"
                 ) from e
-            info.truncated_tail_bytes = len(text[pos:].encode("utf-8", errors="surrogateescape"))
             info.truncated_tail_at = index
+            info.truncated_tail_bytes = len(text[pos:].encode("utf-8", errors="surrogateescape"))
             return
         yield _checked(label, index, obj)
         pos, index = pos_next, index + 1

@@ -42,10 +42,12 @@ def assistant_spans(tokenizer, turns: list[dict], truncated: set[int]) -> tuple[
                 "are added, so assistant spans cannot be located"
             )
         end = len(upto.rstrip())  # content + end-of-turn, without the template's trailing newline
-        if i in truncated:
-            content = turn["content"].rstrip()
-            found = upto.rfind(content, len(prefix)) if content else len(prefix)
-            end = found + len(content) if found >= 0 else end
+        if i in truncated:  # content only: the target never emitted the end-of-turn here
+            content = turn["content"]
+            found = upto.find(content, len(prefix)) if content else len(prefix)
+            if found < 0:
+                raise DataError(f"turn {i}: the chat template altered the assistant content")
+            end = found + len(content)
         spans.append((len(prefix), end))
     return full, spans
 
@@ -58,7 +60,7 @@ def encode(tokenizer, turns: list[dict], truncated: set[int], max_length: int):
         int(any(lo <= start < hi for lo, hi in spans))
         for start, _ in enc["offset_mapping"][:max_length]
     ]
-    return ids, mask
+    return ids, mask, len(enc["input_ids"]) > max_length
 
 
 def has_trainable_pair(mask: list[int]) -> bool:
@@ -75,7 +77,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
     def tokenize_one(row):
         tokenizer = _tokenizer(str(tokenizer_dir), AutoTokenizer)
         try:
-            ids, mask = encode(
+            ids, mask, cut = encode(
                 tokenizer, row["conversations"], set(row["truncated_turns"]), max_length
             )
         except DataError as e:
@@ -86,6 +88,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
             "length": len(ids),
             "trainable": sum(mask),
             "keep": has_trainable_pair(mask),
+            "cut": cut,
         }
 
     ds = datasets.Dataset.from_polars(frame.select("id", "conversations", "truncated_turns"))
@@ -120,12 +123,12 @@ def run(args) -> None:
     if frame.height == 0:
         raise DataError(f"{args.input}: no rows to tokenize")
     out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
-    kept = out.filter(pl.col("keep")).drop("keep")
+    kept = out.filter(pl.col("keep")).drop("keep", "cut")
     report = {
         "rows_in": frame.height,
         "rows_out": kept.height,
         "dropped": {"no_trainable_pair": out.height - kept.height},
-        "truncated_to_max_length": int((out["length"] >= data_cfg["max_length"]).sum()),
+        "truncated_to_max_length": int(out["cut"].sum()),
         "max_length": data_cfg["max_length"],
     }
     if kept.height == 0:

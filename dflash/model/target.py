@@ -42,11 +42,10 @@ class TargetFeatures(nn.Module):
         n_layers = len(decoder.layers)
         if not all(0 <= i < n_layers for i in self.layer_ids):
             raise ValueError(f"target_layer_ids {self.layer_ids} outside 0..{n_layers - 1}")
-        keep = max(self.layer_ids) + 1
-        decoder.layers = nn.ModuleList(list(decoder.layers)[:keep])
-        decoder.config.num_hidden_layers = keep
-        if getattr(decoder.config, "layer_types", None):
-            decoder.config.layer_types = decoder.config.layer_types[:keep]
+        # The model is consumed: its decoder keeps only the layers up to the deepest one read.
+        # Its config is left alone (it still describes the full target), and the decoder's
+        # forward simply runs out of layers there.
+        decoder.layers = nn.ModuleList(list(decoder.layers)[: max(self.layer_ids) + 1])
         self.decoder = decoder
         self.requires_grad_(False)
         self.eval()

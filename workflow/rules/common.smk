@@ -66,3 +66,9 @@ def local_source_hashes():
         for s in config["data"]["sources"]
         if "path" in s
     }
+
+
+def previous_stats_hash():
+    """sha256 of the stats file to compare against, so replacing it reruns the comparison."""
+    path = config["data"]["previous_stats"]
+    return sha256_file(path) if path else None

@@ -21,6 +21,7 @@ rule length_stats:
             "data.max_batch_size",
             "data.previous_stats",
         ),
+        previous=previous_stats_hash(),
         code=DATA_CODE,
         env=ENV_HASH,
     shell:
