@@ -42,7 +42,7 @@ class TrainStep:
         self.max_anchors, self.gamma, self.attention = max_anchors, gamma, attention
         self.compile = compile
 
-    def __call__(self, features, input_ids, loss_mask, generator):
+    def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
         loss, metrics = dflash_loss(
             self.model,
             self.embed_tokens,
@@ -56,5 +56,5 @@ class TrainStep:
             backend=self.attention,
             compiled_flex=self.compile and self.attention == "flex",
         )
-        loss.backward()
+        (loss * loss_scale).backward()
         return metrics
