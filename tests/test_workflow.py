@@ -109,3 +109,22 @@ def test_forced_rerun_is_byte_identical(tiny_workflow):
     after = output_hashes(tiny_workflow.results)
     assert before.keys() == after.keys()
     assert [k for k in before if before[k] != after[k]] == []
+
+
+def test_train_rule_writes_the_drafter_and_reruns_alone_on_a_training_change(tiny_workflow):
+    import yaml
+
+    flow = tiny_workflow
+    flow.run("train")
+    drafter = flow.results / "drafter"
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert (drafter / "model.safetensors").stat().st_size > 0
+    lines = (flow.results / "train/metrics.jsonl").read_text().splitlines()
+    assert lines and json.loads(lines[-1])["step"] == len(lines)
+    assert flow.planned_jobs("train") == {}
+
+    changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    changed["train"] = {"lr": 5.0e-4}
+    (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(changed))
+    assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}

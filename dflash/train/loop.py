@@ -174,7 +174,10 @@ class Trainer:
                 ids, mask, attention = pad_batch(self.rows[rows], upper)
                 ids, mask, attention = (x.to(self.device) for x in (ids, mask, attention))
                 t0 = time.perf_counter()
-                feats = self.features(ids, attention)
+                # The frozen target runs in bf16 autocast (2x faster on CPU, native on GPU).
+                with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                    feats = self.features(ids, attention)
+                feats = feats.to(next(self.drafter.parameters()).dtype)
                 t1 = time.perf_counter()
                 metrics = self.step_fn(
                     feats,
