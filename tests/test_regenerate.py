@@ -76,3 +76,20 @@ def test_shards_partition_rows_by_id():
     owners = [[s for s in range(3) if in_shard(i, s, 3)] for i in ids]
     assert all(len(o) == 1 for o in owners)
     assert {o[0] for o in owners} == {0, 1, 2}
+
+
+def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
+    frame = pl.read_parquet(tiny_workflow.results / "data/regenerated/train.parquet")
+    stop = tokenizer.eos_token_id
+    for row in frame.iter_rows(named=True):
+        answers = [t["content"] for t in row["conversations"] if t["role"] == "assistant"]
+        assert len(row["turn_token_ids"]) == len(answers)
+        for ids, text in zip(row["turn_token_ids"], answers, strict=True):
+            content = ids[:-1] if ids and ids[-1] == stop else ids
+            assert tokenizer.decode(content, skip_special_tokens=True) == text
+    tokenized = pl.read_parquet(tiny_workflow.results / "data/tokenized/train.parquet")
+    uncut = tokenized.filter(pl.col("length") < 96)  # tiny.yaml max_length: not truncated
+    assert uncut.height > 0
+    for row in uncut.iter_rows(named=True):
+        last = frame.filter(pl.col("id") == row["id"]).row(0, named=True)["turn_token_ids"][-1]
+        assert row["input_ids"][-len(last) :] == last  # exactly as generated

@@ -70,3 +70,23 @@ def test_truncated_content_never_matches_inside_the_end_of_turn(tokenizer, conte
     runs = trainable_runs(tokenizer, ids, mask)
     assert "<|im_end|>" not in runs[-1]
     assert runs[-1] == content
+
+
+def test_generated_ids_are_used_exactly_not_re_encoded(tokenizer):
+    # "\n\n" (1116) then "1" "." is how SmolLM2 generates a list; re-encoding the decoded text
+    # gives "\n" "\n" "1" "." instead. The training row must hold what the target emitted.
+    generated = tokenizer(" Steps:", add_special_tokens=False)["input_ids"] + [1116, 33, 30]
+    assert (
+        tokenizer(tokenizer.decode(generated), add_special_tokens=False)["input_ids"] != generated
+    )
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turns = [*TURNS[:4], {"role": "assistant", "content": tokenizer.decode(generated)}]
+    ids, mask, _ = encode(tokenizer, turns, set(), 1000, last_turn_ids=generated + [stop])
+    prompt = tokenizer.apply_chat_template(turns[:4], tokenize=True, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert ids == prompt + generated + [stop]
+    assert mask[len(prompt) :] == [1] * (len(generated) + 1)
+    # the earlier assistant turn is still located in the text
+    assert trainable_runs(tokenizer, ids[: len(prompt)], mask[: len(prompt)]) == [
+        "Paris is the capital of France.<|im_end|>"
+    ]

@@ -24,7 +24,7 @@ from dflash.data.expand import read_rows
 from dflash.data.sources import DataError
 from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
-from dflash.manifest import code_hash, write_manifest
+from dflash.manifest import code_hash, environment_hash, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ REGENERATED_SCHEMA = {
     "conversations": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
     # indices (into conversations) of assistant turns cut off at max_new_tokens
     "truncated_turns": pl.List(pl.Int32),
+    # per assistant turn, the token ids exactly as the target generated them (stop token
+    # included when it finished): tokenize uses them instead of re-encoding the text
+    "turn_token_ids": pl.List(pl.List(pl.Int32)),
 }
 
 
@@ -106,7 +109,8 @@ class Generator:
         results = []
         for row in out[:, width:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-            results.append((row[:stop], True) if stop is not None else (row, False))
+            # the ids exactly as generated, including the stop token when there is one
+            results.append((row[: stop + 1], True) if stop is not None else (row, False))
         return results
 
 
@@ -114,6 +118,7 @@ def regenerate_batch(gen: Generator, rows: list[dict]) -> tuple[list[dict], int]
     """Regenerate all assistant turns of the rows, turn by turn across the batch."""
     convs = [[dict(t) for t in r["conversations"]] for r in rows]
     truncated: list[list[int]] = [[] for _ in rows]
+    turn_ids: list[list[list[int]]] = [[] for _ in rows]
     n_tokens = 0
     max_len = max(map(len, convs))
     for turn in range(max_len):
@@ -122,21 +127,36 @@ def regenerate_batch(gen: Generator, rows: list[dict]) -> tuple[list[dict], int]
             continue
         prompts = [_prompt_ids(gen.tokenizer, convs[i][:turn]) for i in todo]
         for i, (tokens, finished) in zip(todo, gen.generate(prompts), strict=True):
-            convs[i][turn]["content"] = gen.tokenizer.decode(tokens, skip_special_tokens=True)
-            n_tokens += len(tokens) + (1 if finished else 0)
+            content = tokens[:-1] if finished else tokens
+            convs[i][turn]["content"] = gen.tokenizer.decode(content, skip_special_tokens=True)
+            turn_ids[i].append(tokens)
+            n_tokens += len(tokens)
             if not finished:
                 truncated[i].append(turn)
     out = [
-        {"id": r["id"], "source": r["source"], "conversations": c, "truncated_turns": t}
-        for r, c, t in zip(rows, convs, truncated, strict=True)
+        {
+            "id": r["id"],
+            "source": r["source"],
+            "conversations": c,
+            "truncated_turns": t,
+            "turn_token_ids": ids,
+        }
+        for r, c, t, ids in zip(rows, convs, truncated, turn_ids, strict=True)
     ]
     return out, n_tokens
 
 
 def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, shards: int) -> str:
-    """Identifies resumable work: same input, target, parameters and shard."""
+    """Identifies resumable work: same input, target, parameters, shard, code and environment.
+
+    Weights are identified by size and modification time (hashing a large target on every start
+    would cost minutes), small files by content. Code and environment are included so that a
+    rerun Snakemake triggers for a code or package change really regenerates.
+    """
     target_files = {
-        p.name: p.stat().st_size if p.suffix == ".safetensors" else sha256_file(p)
+        p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+        if p.suffix in (".safetensors", ".bin")
+        else sha256_file(p)
         for p in sorted(target_dir.iterdir())
         if p.is_file()
     }
@@ -147,6 +167,8 @@ def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, s
             "params": params,
             "shard": shard,
             "shards": shards,
+            "code": code_hash("data"),
+            "env": environment_hash(),
         }
     )[:16]
 

@@ -27,9 +27,11 @@ def _render(tokenizer, turns, generation_prompt=False) -> str:
     )
 
 
-def assistant_spans(tokenizer, turns: list[dict], truncated: set[int]) -> tuple[str, list]:
+def assistant_spans(
+    tokenizer, turns: list[dict], truncated: set[int], generation_prompt: bool = False
+) -> tuple[str, list]:
     """The rendered text and the [start, end) character span of each assistant turn."""
-    full = _render(tokenizer, turns)
+    full = _render(tokenizer, turns, generation_prompt)
     spans = []
     for i, turn in enumerate(turns):
         if turn["role"] != "assistant":
@@ -52,15 +54,33 @@ def assistant_spans(tokenizer, turns: list[dict], truncated: set[int]) -> tuple[
     return full, spans
 
 
-def encode(tokenizer, turns: list[dict], truncated: set[int], max_length: int):
-    text, spans = assistant_spans(tokenizer, turns, truncated)
+def encode(
+    tokenizer,
+    turns: list[dict],
+    truncated: set[int],
+    max_length: int,
+    last_turn_ids: list[int] | None = None,
+):
+    """input ids, loss mask, and whether the row was cut to max_length.
+
+    With `last_turn_ids` (the ids the target generated for the final assistant turn, stop token
+    included if it finished), the row is the prompt exactly as the target saw it (template-
+    tokenized history + generation prompt) followed by those ids, all trainable. Re-encoding the
+    decoded text instead would split some tokens differently from what the target emits (e.g.
+    "\n\n" + "1" re-encodes as "\n", "\n", "1"), teaching the drafter sequences the target
+    never produces. Earlier assistant turns are located in the text either way.
+    """
+    if last_turn_ids is None:
+        text, spans = assistant_spans(tokenizer, turns, truncated)
+        tail = []
+    else:
+        text, spans = assistant_spans(tokenizer, turns[:-1], truncated, generation_prompt=True)
+        tail = list(last_turn_ids)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"][:max_length]
-    mask = [
-        int(any(lo <= start < hi for lo, hi in spans))
-        for start, _ in enc["offset_mapping"][:max_length]
-    ]
-    return ids, mask, len(enc["input_ids"]) > max_length
+    ids = enc["input_ids"] + tail
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
+    mask += [1] * len(tail)
+    return ids[:max_length], mask[:max_length], len(ids) > max_length
 
 
 def has_trainable_pair(mask: list[int]) -> bool:
@@ -71,14 +91,22 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
     import datasets
     from transformers import AutoTokenizer
 
-    if "truncated_turns" not in frame.columns:
-        frame = frame.with_columns(pl.lit([], dtype=pl.List(pl.Int32)).alias("truncated_turns"))
+    if "truncated_turns" not in frame.columns:  # not regenerated: original responses
+        frame = frame.with_columns(
+            pl.lit([], dtype=pl.List(pl.Int32)).alias("truncated_turns"),
+            pl.lit([], dtype=pl.List(pl.List(pl.Int32))).alias("turn_token_ids"),
+        )
 
     def tokenize_one(row):
         tokenizer = _tokenizer(str(tokenizer_dir), AutoTokenizer)
         try:
+            generated = row["turn_token_ids"]
             ids, mask, cut = encode(
-                tokenizer, row["conversations"], set(row["truncated_turns"]), max_length
+                tokenizer,
+                row["conversations"],
+                set(row["truncated_turns"]),
+                max_length,
+                last_turn_ids=generated[-1] if generated else None,
             )
         except DataError as e:
             raise DataError(f"row id {row['id']}: {e}") from e
@@ -91,11 +119,12 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
             "cut": cut,
         }
 
-    ds = datasets.Dataset.from_polars(frame.select("id", "conversations", "truncated_turns"))
+    columns = ["id", "conversations", "truncated_turns", "turn_token_ids"]
+    ds = datasets.Dataset.from_polars(frame.select(columns))
     ds = ds.map(
         tokenize_one,
         num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=["conversations", "truncated_turns"],
+        remove_columns=columns[1:],
         keep_in_memory=True,
         desc="tokenize",
     )
