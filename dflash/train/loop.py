@@ -169,8 +169,7 @@ class Trainer:
             plan = self.plan(self.epoch)
             window = {"tokens": 0, "t_features": 0.0, "t_step": 0.0, "start": time.perf_counter()}
             for index in range(self.position, len(plan)):
-                _, rows = plan[index]
-                upper = plan[index][0]
+                upper, rows = plan[index]
                 ids, mask, attention = pad_batch(self.rows[rows], upper)
                 ids, mask, attention = (x.to(self.device) for x in (ids, mask, attention))
                 t0 = time.perf_counter()
