@@ -240,12 +240,8 @@ def merge_shards(input_path: Path, shard_files: list[Path], output: Path) -> Non
         frame.sort("_pos").drop("_pos").write_parquet(tmp, statistics=False)
 
 
-def _params(config: dict) -> dict:
-    return dict(config["data"]["regenerate"])
-
-
 def run(args) -> None:
-    params = _params(args.config)
+    params = dict(args.config["data"]["regenerate"])
     torch.manual_seed(0)
     regenerate_shard(args, params)
     if args.manifest:
