@@ -94,11 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="compile cache (default: compile.cache_dir)")
     p.set_defaults(run="dflash.model.warmup:run")
 
-    p = _add(sub, "train", "train the drafter (single process, colocated target)")
+    p = _add(
+        sub,
+        "train",
+        "train the drafter; run it under torchrun with targets + drafters processes "
+        "(a colocated single drafter also runs alone)",
+    )
     p.add_argument("--target", type=Path, required=True, help="target HF directory")
     p.add_argument("--data", type=Path, required=True, help="tokenized training parquet")
     p.add_argument("--out", type=Path, required=True, help="drafter HF directory to write")
     p.add_argument("--metrics", type=Path, required=True, help="metrics.jsonl to write")
+    p.add_argument("--summary", type=Path, required=True, help="throughput summary JSON to write")
     p.add_argument(
         "--checkpoints",
         type=Path,

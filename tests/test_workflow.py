@@ -111,7 +111,9 @@ def test_forced_rerun_is_byte_identical(tiny_workflow):
     assert [k for k in before if before[k] != after[k]] == []
 
 
-def test_train_rule_writes_the_drafter_and_reruns_alone_on_a_training_change(tiny_workflow):
+def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_training_change(
+    tiny_workflow,
+):
     import yaml
 
     flow = tiny_workflow
@@ -122,6 +124,9 @@ def test_train_rule_writes_the_drafter_and_reruns_alone_on_a_training_change(tin
     assert (drafter / "model.safetensors").stat().st_size > 0
     lines = (flow.results / "train/metrics.jsonl").read_text().splitlines()
     assert lines and json.loads(lines[-1])["step"] == len(lines)
+    summary = json.loads((flow.results / "train/summary.json").read_text())
+    assert summary["topology"] == {"targets": 1, "drafters": 1}  # torchrun, 2 processes
+    assert summary["bottleneck"] in {"targets", "drafters"}
     assert flow.planned_jobs("train") == {}
 
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())

@@ -35,26 +35,36 @@ class TrainStep:
         gamma,
         attention,
         compile: bool,
+        wrap=None,
     ):
         self.drafter = drafter
         self.model = torch.compile(drafter, dynamic=False) if compile else drafter
+        if wrap is not None:  # e.g. DDP, around the compiled module the warmup prepared
+            self.model = wrap(self.model)
+            self.model.config = drafter.config
         self.embed_tokens, self.head_weight = embed_tokens, head_weight
         self.max_anchors, self.gamma, self.attention = max_anchors, gamma, attention
         self.compile = compile
 
     def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
-        loss, metrics = dflash_loss(
-            self.model,
-            self.embed_tokens,
-            self.head_weight,
-            features,
-            input_ids,
-            loss_mask,
-            generator,
-            self.max_anchors,
-            self.gamma,
-            backend=self.attention,
-            compiled_flex=self.compile and self.attention == "flex",
-        )
+        loss, metrics = self.loss(features, input_ids, loss_mask, generator)
         (loss * loss_scale).backward()
         return metrics
+
+    def loss(self, features, input_ids, loss_mask, generator):
+        # fp32 master weights; on GPU the step runs in bf16 autocast.
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            return dflash_loss(
+                self.model,
+                self.embed_tokens,
+                self.head_weight,
+                features,
+                input_ids,
+                loss_mask,
+                generator,
+                self.max_anchors,
+                self.gamma,
+                backend=self.attention,
+                compiled_flex=self.compile and self.attention == "flex",
+            )

@@ -6,6 +6,7 @@ layers, no LM head) and forward hooks keep just the selected layers' outputs ali
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -75,3 +76,31 @@ def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remot
         path, dtype=dtype, trust_remote_code=trust_remote_code
     )
     return model.to(device).eval().requires_grad_(False)
+
+
+def load_embeddings(path: str | Path, dtype=torch.float32, device="cpu"):
+    """The target's (frozen input embedding, LM head weight), read alone from its safetensors.
+
+    A drafter rank fed by a separate target rank needs only these two tensors, not the model.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        with safe_open(path / "model.safetensors", "pt") as f:
+            files = dict.fromkeys(f.keys(), path / "model.safetensors")
+
+    def tensor(name):
+        with safe_open(files[name], "pt", device=str(device)) as f:
+            return f.get_tensor(name).to(dtype)
+
+    embed_name = next((k for k in files if k.endswith("embed_tokens.weight")), None)
+    if embed_name is None:
+        raise ValueError(f"{path}: no '*embed_tokens.weight' tensor in the safetensors files")
+    embed = tensor(embed_name)
+    head = tensor("lm_head.weight") if "lm_head.weight" in files else embed  # tied embeddings
+    embedding = nn.Embedding.from_pretrained(embed, freeze=True)
+    return embedding, head

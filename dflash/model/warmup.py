@@ -61,7 +61,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
         target_config, dcfg["num_layers"], dcfg["block_size"], mask_id, dcfg["target_layer_ids"]
     )
     torch.manual_seed(0)
-    drafter = Drafter(cfg).to(device, dtype)
+    drafter = Drafter(cfg).to(device)  # fp32 master weights, as training keeps them
     # Weights do not matter for compilation, only shapes, dtypes and devices.
     embed = (
         torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype).requires_grad_(False)

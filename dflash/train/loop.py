@@ -1,30 +1,43 @@
-"""Single-process drafter training: the loop each drafter rank runs (colocated target).
+"""Drafter training under torchrun: target ranks serve context features, drafter ranks train.
 
-Reads like a checklist: resume from the newest valid checkpoint, then for every batch of every
-epoch compute target features, run the DFlash step, and every `grad_accum` batches clip, step the
-optimizer and schedule, log one JSON line and maybe checkpoint. Anchors come from a generator
-seeded by (seed, epoch, batch), and the model is seeded at init, so a resumed run on a CPU ends
-with the same weights as an uninterrupted one.
+Every rank reads the same tokenized data and derives the same epoch plans (length-bucketed,
+shuffled from the seed), so no batch metadata travels: a target computes features for its global
+batches and sends them; a drafter receives its batches in order, runs the DFlash step under DDP
+and every `grad_accum` batches clips, steps AdamW and the cosine schedule, and logs one line.
+Drafter 0 writes checkpoints and the outputs. `targets: 0` (colocated) runs the target on each
+drafter rank instead; a colocated single drafter needs no process group at all.
+
+Anchors come from a generator seeded by (seed, epoch, global batch), the drafter from the seed,
+and gradient all-reduce order is fixed by the topology, so a resumed run ends with the same
+weights as an uninterrupted one, and two runs with one topology agree bit for bit (on CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import polars as pl
 import torch
+import torch.distributed as dist
 
 from dflash.data.batching import bucket_bounds, plan_epoch
-from dflash.io import atomic_path, sha256_file
+from dflash.errors import UserError
+from dflash.io import atomic_path, sha256_file, write_json
 from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
-from dflash.model.step import TrainStep, resolve_attention, resolve_device
-from dflash.model.target import TargetFeatures, load_target
+from dflash.model.step import TrainStep, resolve_attention
+from dflash.model.target import TargetFeatures, load_embeddings, load_target
+from dflash.train import comm
 from dflash.train.checkpoint import check_contract, latest_valid, load_state, save_checkpoint
+from dflash.train.telemetry import Window, step_record, summarize, sync
+from dflash.train.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -41,74 +54,19 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float):
     return factor
 
 
-def pad_batch(rows: pl.DataFrame, width: int):
-    ids = torch.zeros(rows.height, width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    attention = torch.zeros_like(ids)
-    for i, (row_ids, row_mask) in enumerate(zip(rows["input_ids"], rows["loss_mask"], strict=True)):
-        n = len(row_ids)
-        ids[i, :n] = torch.tensor(row_ids)
-        mask[i, :n] = torch.tensor(row_mask)
-        attention[i, :n] = 1
-    return ids, mask, attention
-
-
 def batch_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch * 10_007 + index)
 
 
-class Trainer:
-    def __init__(self, config: dict, target_dir: Path, data_path: Path, checkpoints: Path):
-        self.config = config
-        t, d, data = config["train"], config["drafter"], config["data"]
-        self.device = resolve_device(t["device"])
-        self.checkpoints = checkpoints
-        self.rows = pl.read_parquet(data_path)
-        self.bounds = bucket_bounds(data["buckets"], data["max_length"])
-        torch.manual_seed(config["seed"])
-        target = load_target(target_dir, device=self.device)
-        self.dcfg = DrafterConfig.for_target(
-            target.config,
-            d["num_layers"],
-            d["block_size"],
-            config["target"]["mask_token_id"],
-            d["target_layer_ids"],
-        )
-        self.features = TargetFeatures(target, self.dcfg.target_layer_ids)
-        self.drafter = Drafter(self.dcfg).to(self.device)
-        gamma = d["gamma"] or default_gamma(d["block_size"])
-        self.step_fn = TrainStep(
-            self.drafter,
-            self.features.embed_tokens,
-            self.features.lm_head.weight,
-            max_anchors=d["max_anchors"],
-            gamma=gamma,
-            attention=resolve_attention("auto", self.device),
-            compile=config["compile"]["enabled"],
-        )
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(), lr=t["lr"], weight_decay=t["weight_decay"], betas=(0.9, 0.95)
-        )
-        self.batches_per_epoch = len(self.plan(0))
-        self.total_steps = t["epochs"] * math.ceil(self.batches_per_epoch / t["grad_accum"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(self.total_steps, t["warmup_ratio"])
-        )
-        self.contract = {
-            "drafter": self.dcfg.to_hf(),
-            "gamma": gamma,
-            "max_anchors": d["max_anchors"],
-            "data_sha256": sha256_file(data_path),
-            "seed": config["seed"],
-            "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio")},
-            "batching": {
-                k: data[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
-            },
-            "topology": {"targets": 0, "drafters": 1},
-        }
-        self.step, self.epoch, self.position = 0, 0, 0
+class Batches:
+    """The tokenized rows and the epoch plans every rank derives identically."""
 
-    def plan(self, epoch: int):
+    def __init__(self, config: dict, data_path: Path):
+        self.config, self.path = config, data_path
+        self.rows = pl.read_parquet(data_path)
+        self.bounds = bucket_bounds(config["data"]["buckets"], config["data"]["max_length"])
+
+    def plan(self, epoch: int) -> list[tuple[int, list[int]]]:
         data = self.config["data"]
         return plan_epoch(
             self.rows["length"].to_list(),
@@ -119,37 +77,308 @@ class Trainer:
             epoch,
         )
 
+    def tensors(self, rows: list[int], width: int, device: torch.device):
+        """Right-padded (input_ids, loss_mask, attention_mask) of a batch."""
+        picked = self.rows[rows]
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        attention = torch.zeros_like(ids)
+        for i, (row_ids, row_mask) in enumerate(
+            zip(picked["input_ids"], picked["loss_mask"], strict=True)
+        ):
+            n = len(row_ids)
+            ids[i, :n] = torch.tensor(row_ids)
+            mask[i, :n] = torch.tensor(row_mask)
+            attention[i, :n] = 1
+        return ids.to(device), mask.to(device), attention.to(device)
+
+
+def drafter_config(config: dict, target_dir: Path) -> DrafterConfig:
+    from transformers import AutoConfig
+
+    d = config["drafter"]
+    return DrafterConfig.for_target(
+        AutoConfig.from_pretrained(target_dir),
+        d["num_layers"],
+        d["block_size"],
+        config["target"]["mask_token_id"],
+        d["target_layer_ids"],
+    )
+
+
+def target_dtype(device: torch.device) -> torch.dtype:
+    """bf16 weights on GPU; fp32 weights under bf16 autocast on CPU (2x faster there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(what: str, ids: torch.Tensor, config: dict):
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        data, d = config["data"], config["drafter"]
+        raise UserError(
+            f"out of memory in {what} on a batch of {ids.shape[0]} x {ids.shape[1]} tokens: "
+            f"lower data.token_budget (now {data['token_budget']}) or data.max_batch_size "
+            f"(now {data['max_batch_size']}), or drafter.max_anchors (now {d['max_anchors']})"
+        ) from None
+
+
+class FeatureModel:
+    """A frozen target truncated to the drafter's layers; features in bf16."""
+
+    def __init__(self, target_dir: Path, layer_ids: list[int], device: torch.device, config):
+        target = load_target(target_dir, dtype=target_dtype(device), device=device)
+        self.features = TargetFeatures(target, layer_ids)
+        self.device, self.config = device, config
+
+    def __call__(self, ids, attention) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        with (
+            out_of_memory_hint("the target forward", ids, self.config),
+            torch.autocast(self.device.type, dtype=torch.bfloat16),
+        ):
+            feats = self.features(ids, attention).to(torch.bfloat16)
+        sync(self.device)
+        return feats, time.perf_counter() - t0
+
+
+class Trace:
+    """Per-rank event log (one line per batch): routing, waits and queue depth over time."""
+
+    def __init__(self, folder: Path, rank: int):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = (folder / f"rank{rank}.jsonl").open("a", encoding="utf-8")
+
+    def __call__(self, **event) -> None:
+        self.file.write(json.dumps(event) + "\n")
+        self.file.flush()
+
+
+def resume_point(ctx: comm.Dist, checkpoints: Path, contract: dict | None) -> dict:
+    """Rank 0 picks the newest valid checkpoint and checks its contract; everyone learns it."""
+    point = {"step": 0, "epoch": 0, "position": 0, "folder": None}
+    if ctx.rank == 0:
+        try:
+            found = latest_valid(checkpoints)
+            if found is not None:
+                folder, meta = found
+                check_contract(meta["contract"], json.loads(json.dumps(contract)), folder)
+                point = {k: meta[k] for k in ("step", "epoch", "position")} | {
+                    "folder": str(folder)
+                }
+        except UserError as e:
+            point = {"error": str(e)}
+    point = ctx.broadcast(point)
+    if "error" in point:
+        raise UserError(point["error"])
+    return point
+
+
+def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpoints: Path):
+    """A target rank: compute features for its batches and send them, `queue_depth` ahead."""
+    dcfg = drafter_config(config, target_dir)
+    model = FeatureModel(target_dir, dcfg.target_layer_ids, ctx.device, config)
+    start = resume_point(ctx, checkpoints, None)
+    sender = comm.FeatureSender(ctx, config["train"]["queue_depth"])
+    trace = Trace(checkpoints / "telemetry", ctx.rank)
+    topo = ctx.topology
+    for epoch in range(start["epoch"], config["train"]["epochs"]):
+        plan = batches.plan(epoch)
+        first = start["position"] if epoch == start["epoch"] else 0
+        for i in topo.batches(ctx.rank, len(plan), first):
+            upper, rows = plan[i]
+            ids, _, attention = batches.tensors(rows, upper, ctx.device)
+            feats, compute_s = model(ids, attention)
+            tokens = int(attention.sum())
+            sent = sender.send(i, topo.dest_rank(i), feats, compute_s, tokens)
+            trace(epoch=epoch, batch=i, dst=topo.dest_rank(i), compute_s=compute_s, **sent)
+    sender.drain()
+
+
+class Trainer:
+    """A drafter rank."""
+
+    def __init__(self, ctx: comm.Dist, config: dict, target_dir: Path, batches, checkpoints):
+        self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
+        t, d, data = config["train"], config["drafter"], config["data"]
+        self.topo = ctx.topology
+        self.device = ctx.device
+        self.dcfg = drafter_config(config, target_dir)
+        self.width = len(self.dcfg.target_layer_ids) * self.dcfg.hidden_size
+        if self.topo.colocated:
+            self.target = FeatureModel(target_dir, self.dcfg.target_layer_ids, self.device, config)
+            embed = self.target.features.embed_tokens
+            head = self.target.features.lm_head.weight
+        else:
+            self.target = None
+            embed, head = load_embeddings(target_dir, target_dtype(self.device), self.device)
+            self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
+        torch.manual_seed(config["seed"])  # every drafter starts from the same weights
+        self.drafter = Drafter(self.dcfg).to(self.device)
+        gamma = d["gamma"] or default_gamma(d["block_size"])
+        self.ddp = ctx.drafter_group is not None
+        self.step_fn = TrainStep(
+            self.drafter,
+            embed,
+            head,
+            max_anchors=d["max_anchors"],
+            gamma=gamma,
+            attention=resolve_attention("auto", self.device),
+            compile=config["compile"]["enabled"],
+            wrap=self._ddp if self.ddp else None,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(),
+            lr=t["lr"],
+            weight_decay=t["weight_decay"],
+            betas=(0.9, 0.95),
+            fused=self.device.type == "cuda",
+        )
+        per_rank = self.topo.usable(len(batches.plan(0))) // self.topo.drafters
+        if per_rank == 0:
+            raise UserError(
+                f"an epoch has fewer batches than train.topology.drafters "
+                f"({self.topo.drafters}): use more data or fewer drafters"
+            )
+        self.total_steps = t["epochs"] * math.ceil(per_rank / t["grad_accum"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(self.total_steps, t["warmup_ratio"])
+        )
+        self.contract = {
+            "drafter": self.dcfg.to_hf(),
+            "gamma": gamma,
+            "max_anchors": d["max_anchors"],
+            "data_sha256": sha256_file(batches.path),
+            "seed": config["seed"],
+            "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio")},
+            "batching": {
+                k: data[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
+            },
+            # Weights depend on the drafter count, not on how many targets feed them (or whether
+            # they are colocated): a run may resume with a different number of target ranks.
+            "drafters": self.topo.drafters,
+        }
+        self.step, self.epoch, self.position = 0, 0, 0
+
+    def _ddp(self, module):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            module, device_ids=ids, process_group=self.ctx.drafter_group, broadcast_buffers=False
+        )
+
     def resume(self) -> None:
-        found = latest_valid(self.checkpoints)
-        if found is None:
+        point = resume_point(self.ctx, self.checkpoints, self.contract)
+        if point["folder"] is None:
             return
-        folder, meta = found
-        check_contract(meta["contract"], json.loads(json.dumps(self.contract)), folder)
-        state = load_state(folder)
+        state = load_state(Path(point["folder"]))
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng_cpu"])
-        self.step, self.epoch, self.position = meta["step"], meta["epoch"], meta["position"]
+        torch.set_rng_state(state["rng"][self.topo.role(self.ctx.rank)[1]])
+        self.step, self.epoch, self.position = point["step"], point["epoch"], point["position"]
         log.info(
-            "resumed from %s (step %d, epoch %d, batch %d)",
-            folder,
+            "%s resumed from %s (step %d, epoch %d, batch %d)",
+            self.ctx.name,
+            point["folder"],
             self.step,
             self.epoch,
             self.position,
         )
 
     def checkpoint(self) -> None:
+        rng = self.ctx.drafter_gather(torch.get_rng_state())  # collective: every drafter
+        if self.ctx.rank != 0:
+            return
         state = {
             "drafter": self.drafter.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
+            "rng": rng,
         }
         meta = {"epoch": self.epoch, "position": self.position, "contract": self.contract}
-        save_checkpoint(
-            self.checkpoints, self.step, state, meta, self.config["train"]["keep_checkpoints"]
-        )
+        keep = self.config["train"]["keep_checkpoints"]
+        save_checkpoint(self.checkpoints, self.step, state, meta, keep)
+
+    def features(self, epoch: int, plan, mine: list[int]):
+        """(batch, tensors, features, phase times, link stats) for this rank's batches."""
+        if self.topo.colocated:
+            for i in mine:
+                upper, rows = plan[i]
+                tensors = self.batches.tensors(rows, upper, self.device)
+                feats, seconds = self.target(tensors[0], tensors[2])
+                yield i, tensors, feats, {"features": seconds}, None
+            return
+        wanted = [
+            (i, self.topo.source_rank(i), (len(plan[i][1]), plan[i][0], self.width)) for i in mine
+        ]
+        for i, feats, stats, wait in self.receiver.stream(wanted):
+            upper, rows = plan[i]
+            yield i, self.batches.tensors(rows, upper, self.device), feats, {"wait": wait}, stats
+
+    def fit(self, live: Path, trace: Trace) -> None:
+        t = self.config["train"]
+        accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
+        self.resume()
+        if self.ctx.rank == 0:
+            keep_metrics_upto(live, self.step)
+        while self.epoch < t["epochs"]:
+            plan = self.batches.plan(self.epoch)
+            usable = self.topo.usable(len(plan))
+            per_rank = usable // self.topo.drafters
+            mine = self.topo.batches(self.ctx.rank, len(plan), self.position)
+            window, metrics = Window(), []
+            for i, (ids, mask, attention), feats, phases, stats in self.features(
+                self.epoch, plan, mine
+            ):
+                micro = i // self.topo.drafters  # this drafter's micro-batch index in the epoch
+                last = (micro + 1) % accum == 0 or micro + 1 == per_rank
+                for phase, seconds in phases.items():
+                    window.time[phase] += seconds
+                if stats is not None:
+                    window.link(self.topo.source_rank(i), stats)
+                window.tokens += int(attention.sum())
+                trace(
+                    epoch=self.epoch,
+                    batch=i,
+                    src=self.topo.source_rank(i),
+                    **{f"{k}_s": v for k, v in phases.items()},
+                )
+                no_sync = self.step_fn.model.no_sync if self.ddp and not last else None
+                with no_sync() if no_sync else contextlib.nullcontext():
+                    with out_of_memory_hint("the drafter step", ids, self.config):
+                        t0 = time.perf_counter()
+                        loss, m = self.step_fn.loss(
+                            feats.to(dtype), ids, mask, batch_generator(seed, self.epoch, i)
+                        )
+                        sync(self.device)
+                        t1 = time.perf_counter()
+                        (loss / accum).backward()
+                        sync(self.device)
+                window.time["forward"] += t1 - t0
+                window.time["backward"] += time.perf_counter() - t1
+                metrics.append(m)
+                if not last:
+                    continue
+                self.position = (micro + 1) * self.topo.drafters
+                t2 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                grad_norm = self.optimizer_step()
+                sync(self.device)
+                window.time["optimizer"] += time.perf_counter() - t2
+                self.log_step(window, metrics, i, lr, grad_norm, live)
+                window, metrics = Window(), []
+                if self.step % t["checkpoint_every"] == 0 and self.position != usable:
+                    self.checkpoint()
+            self.epoch, self.position = self.epoch + 1, 0
+            self.checkpoint()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Features enter the step in bf16 on GPU (autocast); fp32 on CPU."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
     def optimizer_step(self) -> float:
         clip = self.config["train"]["grad_clip"]
@@ -160,97 +389,84 @@ class Trainer:
         self.step += 1
         return float(norm)
 
-    def fit(self, metrics_log: Path):
-        t = self.config["train"]
-        accum = t["grad_accum"]
-        self.resume()
-        live = metrics_log.open("a", encoding="utf-8")
-        while self.epoch < t["epochs"]:
-            plan = self.plan(self.epoch)
-            window = {"tokens": 0, "t_features": 0.0, "t_step": 0.0, "start": time.perf_counter()}
-            for index in range(self.position, len(plan)):
-                upper, rows = plan[index]
-                ids, mask, attention = pad_batch(self.rows[rows], upper)
-                ids, mask, attention = (x.to(self.device) for x in (ids, mask, attention))
-                t0 = time.perf_counter()
-                # The frozen target runs in bf16 autocast (2x faster on CPU, native on GPU).
-                with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                    feats = self.features(ids, attention)
-                feats = feats.to(next(self.drafter.parameters()).dtype)
-                t1 = time.perf_counter()
-                metrics = self.step_fn(
-                    feats,
-                    ids,
-                    mask,
-                    batch_generator(self.config["seed"], self.epoch, index),
-                    loss_scale=1.0 / accum,
-                )
-                window["t_features"] += t1 - t0
-                window["t_step"] += time.perf_counter() - t1
-                window["tokens"] += int(attention.sum())
-                self.position = index + 1
-                if self.position % accum and self.position != len(plan):
-                    continue
-                t2 = time.perf_counter()
-                lr = self.scheduler.get_last_lr()[0]
-                grad_norm = self.optimizer_step()
-                elapsed = time.perf_counter() - window["start"]
-                record = {
-                    "step": self.step,
-                    "epoch": self.epoch,
-                    "batch": index,
-                    "loss": round(metrics["loss"], 5),
-                    "tau": round(metrics["tau"], 4),
-                    "acc": [round(a, 4) for a in metrics["acc"]],
-                    "lr": lr,
-                    "grad_norm": round(grad_norm, 4),
-                    "tokens_per_s": round(window["tokens"] / elapsed, 1),
-                    "time_s": {
-                        "features": round(window["t_features"], 3),
-                        "forward_backward": round(window["t_step"], 3),
-                        "optimizer": round(time.perf_counter() - t2, 3),
-                    },
-                }
-                live.write(json.dumps(record) + "\n")
-                live.flush()
-                log.info(
-                    "step %d/%d loss %.4f tau %.3f lr %.2e %.0f tok/s",
-                    self.step,
-                    self.total_steps,
-                    metrics["loss"],
-                    metrics["tau"],
-                    record["lr"],
-                    record["tokens_per_s"],
-                )
-                window = {
-                    "tokens": 0,
-                    "t_features": 0.0,
-                    "t_step": 0.0,
-                    "start": time.perf_counter(),
-                }
-                if self.step % t["checkpoint_every"] == 0 and self.position != len(plan):
-                    self.checkpoint()
-            self.epoch, self.position = self.epoch + 1, 0
-            self.checkpoint()
-        live.close()
+    def log_step(self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path):
+        mean = {
+            "loss": statistics.fmean(m["loss"] for m in metrics),
+            "tau": statistics.fmean(m["tau"] for m in metrics),
+            "acc": [statistics.fmean(a) for a in zip(*(m["acc"] for m in metrics), strict=True)],
+        }
+        gathered = self.ctx.drafter_gather((window.close(self.device), mean))
+        if self.ctx.rank != 0:
+            return
+        windows, means = zip(*gathered, strict=True)
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch": batch,
+            "lr": lr,
+            "grad_norm": round(grad_norm, 4),
+            **step_record(list(windows), self.topo, list(means)),
+        }
+        with live.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        self.progress(record)
+
+    def progress(self, record: dict) -> None:
+        queue = record.get("queue_depth")
+        depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
+        line = (
+            f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+            f"tau {record['tau']:.3f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s{depth}"
+        )
+        if sys.stderr.isatty():
+            done = record["step"] / self.total_steps
+            bar = "#" * int(30 * done)
+            print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
+        else:
+            log.info(line)
 
 
-def metric_lines_upto(path: Path, step: int) -> list[str]:
-    """The live log's lines up to `step` (a crash may have logged steps past the checkpoint)."""
-    if not path.exists():
-        return []
-    return [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+def keep_metrics_upto(live: Path, step: int) -> None:
+    """Drop live-log lines past `step`: a crash may have logged steps after the checkpoint."""
+    lines = live.read_text().splitlines() if live.exists() else []
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    with atomic_path(live) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
 
 
 def run(args) -> None:
-    trainer = Trainer(args.config, args.target, args.data, args.checkpoints)
-    live = args.checkpoints / "metrics.live.jsonl"
+    config = args.config
+    t = config["train"]
+    topology = Topology(**t["topology"])
+    ctx = comm.init(topology, t["device"], t["timeout_s"])
+    try:
+        _run(ctx, args)
+    except comm.PeerError:
+        raise
+    except UserError as e:
+        raise UserError(f"{ctx.name}: {e}") from None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run(ctx: comm.Dist, args) -> None:
+    config = args.config
+    batches = Batches(config, args.data)
     args.checkpoints.mkdir(parents=True, exist_ok=True)
-    found = latest_valid(args.checkpoints)
-    kept = metric_lines_upto(live, found[1]["step"] if found else 0)
-    with atomic_path(live) as tmp:
-        tmp.write_text("".join(line + "\n" for line in kept))
-    trainer.fit(live)
+    if ctx.role[0] == "target":
+        serve_features(ctx, config, args.target, batches, args.checkpoints)
+        return
+    trainer = Trainer(ctx, config, args.target, batches, args.checkpoints)
+    live = args.checkpoints / "metrics.live.jsonl"
+    trainer.fit(live, Trace(args.checkpoints / "telemetry", ctx.rank))
+    if ctx.rank != 0:
+        return
     save_drafter(trainer.drafter, args.out)
+    lines = live.read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    summary = summarize(records, ctx.topology.as_dict(), config["train"]["queue_depth"])
+    log.info("throughput: %s", summary.get("verdict", "no steps"))
+    write_json(args.summary, summary)
     with atomic_path(args.metrics) as tmp:
-        tmp.write_text(live.read_text())
+        tmp.write_text("".join(line + "\n" for line in lines))

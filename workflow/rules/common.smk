@@ -14,7 +14,8 @@ dflash_validate(config, "workflow config")
 
 R = config["results"]
 # The CLI of the Python running Snakemake, so rules work without an activated environment.
-DFLASH = f"{shlex.quote(sys.executable)} -m dflash"
+PYTHON = shlex.quote(sys.executable)
+DFLASH = f"{PYTHON} -m dflash"
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
 DATA_CODE = code_hash("data")

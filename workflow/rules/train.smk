@@ -1,11 +1,29 @@
-# Drafter training. For now one process with a colocated target (`dflash train`); the multi-GPU
-# torchrun launch with target and drafter roles replaces this command (issue 4). Checkpoints live
-# outside the declared outputs: Snakemake deletes declared outputs of a failed job, and a rerun
-# of this rule resumes from the newest valid checkpoint.
+# Drafter training under torchrun: `train.topology` gives the processes (targets send features,
+# drafters train with DDP; targets 0 = colocated). Checkpoints live outside the declared outputs:
+# Snakemake deletes declared outputs of a failed job, and a rerun of this rule resumes from the
+# newest valid checkpoint.
+
+TOPOLOGY = config["train"]["topology"]
+WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
+
+
+def torchrun_args():
+    """Standalone on one node; a c10d rendezvous across `train.nnodes` nodes (e.g. under srun)."""
+    t = config["train"]
+    if t["nnodes"] == 1:
+        return f"--standalone --nnodes 1 --nproc-per-node {WORLD}"
+    if WORLD % t["nnodes"] or not t["rdzv_endpoint"]:
+        raise ValueError(
+            "train.nnodes > 1 needs train.rdzv_endpoint and targets + drafters divisible by nnodes"
+        )
+    return (
+        f"--nnodes {t['nnodes']} --nproc-per-node {WORLD // t['nnodes']}"
+        f" --rdzv-backend c10d --rdzv-endpoint {t['rdzv_endpoint']} --rdzv-id dflash-train"
+    )
 
 
 rule train:
-    """Train the drafter; write it in the public DFlash HF layout plus per-step metrics."""
+    """Train the drafter; write it in the public DFlash HF layout, per-step metrics and a summary."""
     input:
         data=f"{R}/data/tokenized/train.parquet",
         target=target_dir(),
@@ -13,11 +31,12 @@ rule train:
     output:
         drafter=directory(f"{R}/drafter"),
         metrics=f"{R}/train/metrics.jsonl",
+        summary=f"{R}/train/summary.json",
     log:
         f"{R}/logs/train.log",
     threads: workflow.cores
     resources:
-        gpu=1 if HAS_GPU else 0,
+        gpu=WORLD if HAS_GPU else 0,
     params:
         config=config_json(
             "seed",
@@ -30,12 +49,15 @@ rule train:
             "data.token_budget",
             "data.max_batch_size",
         ),
+        launch=torchrun_args(),
         checkpoints=f"{R}/checkpoints",
         cache=COMPILE_CACHE,
         code=code_hash("model", "train", "data/batching.py"),
         env=ENV_HASH,
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
-        " OMP_NUM_THREADS={threads} {DFLASH} train --config {params.config:q}"
-        " --target {input.target} --data {input.data} --out {output.drafter}"
-        " --metrics {output.metrics} --checkpoints {params.checkpoints} > {log} 2>&1"
+        " OMP_NUM_THREADS=$(( {threads} / {WORLD} > 0 ? {threads} / {WORLD} : 1 ))"
+        " {PYTHON} -m torch.distributed.run {params.launch} -m dflash train"
+        " --config {params.config:q} --target {input.target} --data {input.data}"
+        " --out {output.drafter} --metrics {output.metrics} --summary {output.summary}"
+        " --checkpoints {params.checkpoints} > {log} 2>&1"

@@ -1,0 +1,209 @@
+"""torch.distributed plumbing: the process group, the drafter sub-group, and feature links.
+
+Features move with point-to-point `isend`/`irecv` (NCCL on GPU: device to device, no host copy;
+gloo on CPU). Both backends complete a send only once the receiver has posted the matching
+receive, so the unfinished sends a target holds per drafter ARE the queue: a target computes
+ahead until `queue_depth` batches wait on a link, then blocks. Each feature tensor travels with a
+small stats tensor (the target's compute and blocked time, the queue depth at send, the tokens),
+which is how drafters learn about target throughput and queue depth without extra collectives.
+
+Every wait is bounded by `timeout_s`; a peer that died or went silent becomes an error naming the
+peer, the batch and the cause, and torchrun then stops every other rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash.errors import UserError
+from dflash.train.topology import Topology
+
+log = logging.getLogger(__name__)
+STATS = ("compute_s", "blocked_s", "queue_depth", "tokens")
+
+
+class PeerError(UserError):
+    """A peer rank died, went silent, or broke a link."""
+
+
+@dataclass
+class Dist:
+    """This process's place in the run; a world of one needs no process group."""
+
+    topology: Topology
+    rank: int
+    device: torch.device
+    drafter_group: object | None = None
+    timeout_s: float = 60.0
+
+    @property
+    def role(self) -> tuple[str, int]:
+        return self.topology.role(self.rank)
+
+    @property
+    def name(self) -> str:
+        return self.topology.name(self.rank)
+
+    @property
+    def distributed(self) -> bool:
+        return self.topology.world > 1
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (all ranks call this)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def drafter_gather(self, obj) -> list:
+        """`obj` of every drafter, in drafter order (drafters only)."""
+        if self.drafter_group is None:
+            return [obj]
+        out = [None] * self.topology.drafters
+        dist.all_gather_object(out, obj, group=self.drafter_group)
+        return out
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its torchrun agent dies.
+
+    torchrun starts each worker in its own session, so a SIGKILL of torchrun (a scheduler's hard
+    kill, `kill -9`) would otherwise leave workers training and writing checkpoints on their own,
+    racing the rerun.
+    """
+    if sys.platform != "linux":
+        return
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def init(topology: Topology, device_name: str, timeout_s: float) -> Dist:
+    """Join the torchrun world (or run alone when the topology is one colocated drafter)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != topology.world:
+        raise UserError(
+            f"train.topology needs {topology.world} processes "
+            f"({topology.targets} targets + {topology.drafters} drafters), "
+            f"but WORLD_SIZE is {world}: launch with torchrun --nproc-per-node {topology.world}"
+        )
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if world == 1:
+        return Dist(topology, 0, device, timeout_s=timeout_s)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    # Every rank must create every group, in the same order.
+    drafter_ranks = [topology.drafter_rank(d) for d in range(topology.drafters)]
+    group = dist.new_group(drafter_ranks) if topology.drafters > 1 else None
+    return Dist(
+        topology,
+        rank,
+        device,
+        drafter_group=group if rank in drafter_ranks else None,
+        timeout_s=timeout_s,
+    )
+
+
+def _wait(work, ctx: Dist, what: str) -> None:
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=ctx.timeout_s))
+    except RuntimeError as e:
+        cause = str(e).splitlines()[0][:300]
+        if "Timed out" in cause or "timed out" in cause:
+            cause = f"nothing for {ctx.timeout_s:g} s (train.timeout_s): the peer hangs or is gone"
+        raise PeerError(f"{ctx.name}: {what}: {cause}") from None
+
+
+class FeatureSender:
+    """A target's outgoing links, at most `depth` unfinished sends on each."""
+
+    def __init__(self, ctx: Dist, depth: int):
+        self.ctx, self.depth = ctx, depth
+        self.links: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+
+    def send(self, batch: int, dst: int, features: torch.Tensor, compute_s: float, tokens: int):
+        link = self.links[dst]
+        while link and link[0][0].is_completed():
+            link.popleft()
+        t0 = time.perf_counter()
+        while len(link) >= self.depth:
+            self._finish(dst, link.popleft())
+        blocked = time.perf_counter() - t0
+        stats = torch.tensor(
+            [compute_s, blocked, len(link) + 1, tokens], dtype=torch.float64, device=features.device
+        )
+        features = features.contiguous()
+        stats_work = dist.isend(stats, dst)
+        # The queue tracks the features' send; the handles keep both tensors alive until done.
+        link.append((dist.isend(features, dst), stats_work, features, stats, batch))
+        return {"blocked_s": blocked, "queue_depth": len(link)}
+
+    def drain(self) -> None:
+        for dst, link in self.links.items():
+            while link:
+                self._finish(dst, link.popleft())
+
+    def _finish(self, dst: int, entry) -> None:
+        work, _, _, _, batch = entry
+        _wait(work, self.ctx, f"sending batch {batch} to {self.ctx.topology.name(dst)}")
+
+
+class FeatureReceiver:
+    """A drafter's incoming features, in batch order, with the next receive posted ahead."""
+
+    def __init__(self, ctx: Dist, dtype: torch.dtype, ahead: int = 1):
+        self.ctx, self.dtype, self.ahead = ctx, dtype, ahead
+
+    def stream(self, batches):
+        """`batches`: iterable of (batch, src, shape); yields (batch, features, stats, wait_s)."""
+        pending = collections.deque()
+
+        def post(item):
+            batch, src, shape = item
+            feats = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
+            stats = torch.empty(len(STATS), dtype=torch.float64, device=self.ctx.device)
+            works = (dist.irecv(stats, src), dist.irecv(feats, src))
+            pending.append((batch, src, feats, stats, works))
+
+        items = iter(batches)
+        for item in items:
+            post(item)
+            if len(pending) > self.ahead:
+                break
+        while pending:
+            batch, src, feats, stats, works = pending.popleft()
+            t0 = time.perf_counter()
+            for work in works:
+                _wait(work, self.ctx, f"receiving batch {batch} from {self.ctx.topology.name(src)}")
+            if feats.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            wait = time.perf_counter() - t0
+            nxt = next(items, None)
+            if nxt is not None:
+                post(nxt)
+            yield batch, feats, dict(zip(STATS, stats.tolist(), strict=True)), wait

@@ -1,0 +1,186 @@
+"""Per-step throughput records and the end-of-run bottleneck summary.
+
+Each drafter keeps a `Window` (one optimizer step): its own time split and tokens, plus what its
+feature links reported (the target's compute and blocked time, the queue depth at each send).
+Drafter 0 gathers the windows into one JSON line per step. `summarize` reads only those lines, so
+the same verdict can be recomputed from any run's `metrics.jsonl`.
+
+Verdict: a target's capacity is tokens / compute time, a drafter's is tokens / (time not spent
+waiting for features). The role with less total capacity limits the run, by the ratio of the two.
+A full queue (targets blocked) points at drafters; an empty one (drafters waiting) at targets.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("wait", "features", "forward", "backward", "optimizer")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class Window:
+    """One drafter's accounting for one optimizer step."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.time = dict.fromkeys(PHASES, 0.0)
+        self.tokens = 0
+        self.links = defaultdict(
+            lambda: {"tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "depth": []}
+        )
+
+    def link(self, src: int, stats: dict) -> None:
+        entry = self.links[src]
+        entry["tokens"] += int(stats["tokens"])
+        entry["compute_s"] += stats["compute_s"]
+        entry["blocked_s"] += stats["blocked_s"]
+        entry["depth"].append(stats["queue_depth"])
+
+    def close(self, device: torch.device) -> dict:
+        return {
+            "tokens": self.tokens,
+            "wall_s": time.perf_counter() - self.start,
+            "time_s": dict(self.time),
+            "peak_memory_gb": round(peak_memory_gb(device), 3),
+            "links": {src: dict(v) for src, v in self.links.items()},
+        }
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    return round(tokens / seconds, 1) if seconds > 0 else 0.0
+
+
+def step_record(windows: list[dict], topology, metrics: list[dict]) -> dict:
+    """The throughput part of a step's JSON line, from every drafter's window."""
+    wall = max(w["wall_s"] for w in windows)
+    record = {
+        "loss": round(statistics.fmean(m["loss"] for m in metrics), 5),
+        "tau": round(statistics.fmean(m["tau"] for m in metrics), 4),
+        "acc": [
+            round(statistics.fmean(a), 4) for a in zip(*(m["acc"] for m in metrics), strict=True)
+        ],
+        "tokens_per_s": _rate(sum(w["tokens"] for w in windows), wall),
+        "time_s": {p: round(statistics.fmean(w["time_s"][p] for w in windows), 4) for p in PHASES},
+        "drafters": [
+            {
+                "tokens": w["tokens"],
+                "wall_s": round(w["wall_s"], 4),
+                "tokens_per_s": _rate(w["tokens"], w["wall_s"]),
+                "time_s": {p: round(t, 4) for p, t in w["time_s"].items()},
+                "peak_memory_gb": w["peak_memory_gb"],
+            }
+            for w in windows
+        ],
+    }
+    if not topology.colocated:
+        targets, queue = {}, {}
+        for d, w in enumerate(windows):
+            for src, link in w["links"].items():
+                _, t = topology.role(int(src))
+                agg = targets.setdefault(t, {"tokens": 0, "compute_s": 0.0, "blocked_s": 0.0})
+                for k in agg:
+                    agg[k] += link[k]
+                queue[f"t{t}->d{d}"] = round(statistics.fmean(link["depth"]), 2)
+        record["targets"] = [
+            {
+                "tokens": targets[t]["tokens"],
+                "compute_s": round(targets[t]["compute_s"], 4),
+                "blocked_s": round(targets[t]["blocked_s"], 4),
+                "tokens_per_s": _rate(targets[t]["tokens"], targets[t]["compute_s"]),
+            }
+            for t in sorted(targets)
+        ]
+        record["queue_depth"] = dict(sorted(queue.items()))
+    return record
+
+
+def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
+    """Which role limited the run and by how much, from the per-step records.
+
+    The first step is left out when there are others: it carries start-up and compilation.
+    """
+    steady = records[1:] if len(records) > 1 else records
+    if not steady:
+        return {"steps": 0, "topology": topology}
+    n_drafters = len(steady[0]["drafters"])
+    tokens, walls, waited = [0.0] * n_drafters, [0.0] * n_drafters, [0.0] * n_drafters
+    for r in steady:
+        for d, dr in enumerate(r["drafters"]):
+            tokens[d] += dr["tokens"]
+            walls[d] += dr["wall_s"]
+            waited[d] += dr["time_s"]["wait"]
+    drafter_capacity = sum(
+        _rate(tok, wall - wait) for tok, wall, wait in zip(tokens, walls, waited, strict=True)
+    )
+    summary = {
+        "steps": len(steady),
+        "topology": topology,
+        "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in steady), 1),
+        "drafter_capacity_tokens_per_s": round(drafter_capacity, 1),
+        "drafter_wait_fraction": round(sum(waited) / max(sum(walls), 1e-9), 4),
+        "time_split": {
+            p: round(statistics.fmean(r["time_s"][p] for r in steady), 4) for p in PHASES
+        },
+    }
+    if topology["targets"] == 0:
+        t = summary["time_split"]
+        share = t["features"] / max(sum(t.values()), 1e-9)
+        summary["bottleneck"] = "colocated"
+        summary["verdict"] = (
+            f"colocated: target features take {share:.0%} of each drafter's time; "
+            "a separate target rank would overlap them with training"
+        )
+        return summary
+    t_tokens = defaultdict(float)
+    t_compute = defaultdict(float)
+    t_blocked = defaultdict(float)
+    depths = []
+    for r in steady:
+        for t, tr in enumerate(r["targets"]):
+            t_tokens[t] += tr["tokens"]
+            t_compute[t] += tr["compute_s"]
+            t_blocked[t] += tr["blocked_s"]
+        depths += list(r["queue_depth"].values())
+    target_capacity = sum(_rate(t_tokens[t], t_compute[t]) for t in t_tokens)
+    blocked_fraction = sum(t_blocked.values()) / max(
+        sum(t_blocked.values()) + sum(t_compute.values()), 1e-9
+    )
+    mean_depth = statistics.fmean(depths) if depths else 0.0
+    slow, fast = (
+        ("drafters", "targets") if drafter_capacity < target_capacity else ("targets", "drafters")
+    )
+    ratio = max(drafter_capacity, target_capacity) / max(
+        min(drafter_capacity, target_capacity), 1e-9
+    )
+    summary |= {
+        "target_capacity_tokens_per_s": round(target_capacity, 1),
+        "target_blocked_fraction": round(blocked_fraction, 4),
+        "mean_queue_depth": round(mean_depth, 2),
+        "queue_depth_limit": queue_depth,
+        "bottleneck": slow,
+        "bottleneck_factor": round(ratio, 2),
+        "verdict": (
+            f"{slow} are the bottleneck: {fast} could process {ratio:.2f}x more "
+            f"({fast} {max(drafter_capacity, target_capacity):.0f} vs "
+            f"{slow} {min(drafter_capacity, target_capacity):.0f} tokens/s); "
+            f"queue {mean_depth:.1f}/{queue_depth} full on average, targets blocked "
+            f"{blocked_fraction:.0%}, drafters waiting {summary['drafter_wait_fraction']:.0%}"
+        ),
+    }
+    return summary

@@ -1,0 +1,238 @@
+"""Training under torchrun with real gloo processes: routing, determinism, resume, failure."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dflash.data.batching import bucket_bounds, plan_epoch
+from dflash.io import sha256_file
+from dflash.train.topology import Topology
+
+pytestmark = pytest.mark.slow
+
+DATA = {"buckets": [32, 64], "max_length": 96, "token_budget": 128, "max_batch_size": 2}
+CONFIG = {
+    "seed": 0,
+    "target": {"mask_token_id": 3},
+    "drafter": {"num_layers": 1, "block_size": 8, "max_anchors": 4},
+    "compile": {"enabled": False},
+    "data": DATA,
+    "train": {
+        "epochs": 2,
+        "checkpoint_every": 1,
+        "keep_checkpoints": 50,
+        "lr": 1e-3,
+        "timeout_s": 20,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def data(tiny_workflow, tmp_path_factory) -> Path:
+    """24 rows (the tiny workflow's tokenized rows, repeated): 12 batches per epoch."""
+    tokenized = tiny_workflow.results / "data/tokenized"
+    rows = pl.concat([pl.read_parquet(tokenized / f"{s}.parquet") for s in ("train", "eval")])
+    path = tmp_path_factory.mktemp("data") / "train.parquet"
+    pl.concat([rows] * (24 // rows.height + 1)).head(24).write_parquet(path)
+    return path
+
+
+def config(targets: int, drafters: int, **train) -> dict:
+    c = json.loads(json.dumps(CONFIG))
+    c["train"] |= {"topology": {"targets": targets, "drafters": drafters}} | train
+    return c
+
+
+def launch(cfg: dict, data: Path, target: Path, out: Path, torchrun: bool = True):
+    """`dflash train` under torchrun (its own session, so the test can kill the whole run)."""
+    topo = cfg["train"]["topology"]
+    world = topo["targets"] + topo["drafters"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    cmd = [sys.executable, *(launcher if torchrun else []), "-m", "dflash", "train"]
+    cmd += ["--config", json.dumps(cfg), "--target", str(target), "--data", str(data)]
+    cmd += ["--out", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]
+    cmd += ["--summary", str(out / "summary.json"), "--checkpoints", str(out / "ckpt")]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(run) -> str:
+    err = run.communicate(timeout=600)[1]
+    assert run.returncode == 0, err[-4000:]
+    return err
+
+
+def weights(out: Path) -> str:
+    return sha256_file(out / "drafter/model.safetensors")
+
+
+def steps(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: r[k] for k in ("step", "epoch", "batch", "loss", "tau")} for r in map(json.loads, lines)
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(data, target_dir, tmp_path_factory) -> dict:
+    """One finished run per topology (targets, drafters); (0, 1) runs without torchrun."""
+    done = {}
+    for topo in [(1, 1), (1, 2), (2, 1), (0, 1), (0, 2)]:
+        out = tmp_path_factory.mktemp(f"run-{topo[0]}-{topo[1]}")
+        finish(launch(config(*topo), data, target_dir, out, torchrun=topo != (0, 1)))
+        done[topo] = out
+    return done
+
+
+@pytest.mark.parametrize("topo", [(1, 1), (1, 2), (2, 1), (0, 1), (0, 2)])
+def test_every_rank_handles_exactly_its_routed_batches(runs, data, topo):
+    out, topology = runs[topo], Topology(*topo)
+    lengths = pl.read_parquet(data)["length"].to_list()
+    bounds = bucket_bounds(DATA["buckets"], DATA["max_length"])
+    for rank in range(topology.world):
+        events = [json.loads(x) for x in (out / f"ckpt/telemetry/rank{rank}.jsonl").open()]
+        for epoch in range(2):
+            n = len(plan_epoch(lengths, bounds, DATA["token_budget"], 2, 0, epoch))
+            got = [e for e in events if e["epoch"] == epoch]
+            expected = [
+                i for i in range(n - n % topo[1]) if i % topo[1] == rank - topo[1] * (rank >= topo[1])
+            ] if topology.role(rank)[0] == "drafter" else [
+                i for i in range(n - n % topo[1]) if i % topo[0] == rank - topo[1]
+            ]  # fmt: skip
+            assert [e["batch"] for e in got] == expected, (rank, epoch)
+            for e in got:  # drafter d hears batch i from target i % T (itself when colocated)
+                if "src" in e:
+                    want = rank if topology.colocated else topo[1] + e["batch"] % topo[0]
+                    assert e["src"] == want
+                else:
+                    assert e["dst"] == e["batch"] % topo[1]
+                    assert 1 <= e["queue_depth"] <= 2
+
+
+def test_weights_depend_on_the_drafter_count_only(runs):
+    one = {weights(runs[t]) for t in [(1, 1), (2, 1), (0, 1)]}
+    two = {weights(runs[t]) for t in [(1, 2), (0, 2)]}
+    assert len(one) == 1 and len(two) == 1 and one != two
+
+
+def test_same_topology_twice_gives_identical_weights(runs, data, target_dir, tmp_path):
+    finish(launch(config(1, 2), data, target_dir, tmp_path))
+    assert weights(tmp_path) == weights(runs[(1, 2)])
+    assert steps(tmp_path) == steps(runs[(1, 2)])
+
+
+def test_telemetry_names_links_roles_and_the_bottleneck(runs):
+    records = [json.loads(x) for x in (runs[(2, 1)] / "metrics.jsonl").open()]
+    assert set().union(*(r["queue_depth"] for r in records)) == {"t0->d0", "t1->d0"}
+    record = records[-1]
+    assert len(record["drafters"]) == 1 and record["targets"][0]["tokens_per_s"] > 0
+    assert set(record["time_s"]) == {"wait", "features", "forward", "backward", "optimizer"}
+    summary = json.loads((runs[(2, 1)] / "summary.json").read_text())
+    assert summary["bottleneck"] in {"targets", "drafters"} and summary["bottleneck_factor"] >= 1
+    colocated = json.loads((runs[(0, 2)] / "summary.json").read_text())
+    assert colocated["bottleneck"] == "colocated"
+
+
+def wait_for(path: Path, run, seconds: float = 300) -> None:
+    deadline = time.time() + seconds
+    while not path.exists():
+        assert run.poll() is None, run.stderr.read()[-3000:]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_sigkill_then_rerun_gives_identical_weights(runs, data, target_dir, tmp_path):
+    expected = steps(runs[(1, 1)])
+    kill_at = random.randint(2, len(expected) - 2)
+    run = launch(config(1, 1), data, target_dir, tmp_path)
+    wait_for(tmp_path / f"ckpt/step-{kill_at:08d}", run)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    assert not (tmp_path / "drafter").exists()
+    finish(launch(config(1, 1), data, target_dir, tmp_path))
+    assert steps(tmp_path) == expected, f"killed after step {kill_at}"
+    assert weights(tmp_path) == weights(runs[(1, 1)]), f"killed after step {kill_at}"
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_other_target_counts_resume(
+    runs, data, target_dir, tmp_path
+):
+    source = runs[(1, 1)] / "ckpt"
+    newest = sorted(source.glob("step-*"))[-1]
+    last = int(newest.name.split("-")[1])
+    keep = [p for p in sorted(source.glob("step-*")) if int(p.name.split("-")[1]) <= last - 3]
+    # Resume from the middle of the run, with 2 target ranks instead of 1.
+    (tmp_path / "ckpt").mkdir()
+    for folder in keep[-2:]:
+        subprocess.run(["cp", "-r", str(folder), str(tmp_path / "ckpt")], check=True)
+    state = tmp_path / "ckpt" / keep[-1].name / "state.pt"
+    blob = bytearray(state.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    state.write_bytes(bytes(blob))
+    err = finish(launch(config(2, 1), data, target_dir, tmp_path))
+    assert f"checkpoint {tmp_path / 'ckpt' / keep[-1].name} is corrupt" in err
+    assert f"resumed from {tmp_path / 'ckpt' / keep[-2].name}" in err
+    assert weights(tmp_path) == weights(runs[(1, 1)])
+
+
+def test_resume_refuses_a_changed_run(runs, data, target_dir, tmp_path):
+    subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
+    changed = config(1, 1)
+    changed["drafter"]["gamma"] = 2.0
+    run = launch(changed, data, target_dir, tmp_path)
+    err = run.communicate(timeout=300)[1]
+    assert run.returncode != 0
+    assert "gamma: checkpoint 4.0 != now 2.0" in err
+
+
+def worker(run, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank (a child of the torchrun process)."""
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) != run.pid:
+                continue
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if f"RANK={rank}".encode() in env:  # exact entry: not LOCAL_RANK or GROUP_RANK
+            return pid
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+def test_killing_one_rank_fails_the_whole_run_fast(data, target_dir, tmp_path):
+    run = launch(config(1, 2, timeout_s=10), data, target_dir, tmp_path)
+    wait_for(tmp_path / "ckpt/step-00000002", run)
+    os.kill(worker(run, 2), signal.SIGKILL)  # the target
+    started = time.time()
+    err = run.communicate(timeout=120)[1]
+    assert run.returncode != 0
+    assert time.time() - started < 60
+    assert "rank      : 2" in err and "SIGKILL" in err
+
+
+def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_path):
+    run = launch(config(1, 1, timeout_s=5), data, target_dir, tmp_path)
+    wait_for(tmp_path / "ckpt/step-00000002", run)
+    target = worker(run, 1)
+    os.kill(target, signal.SIGSTOP)  # alive but silent
+    started = time.time()
+    try:
+        err = run.communicate(timeout=120)[1]
+    finally:
+        if Path(f"/proc/{target}").exists():
+            os.kill(target, signal.SIGKILL)
+    assert run.returncode != 0
+    assert time.time() - started < 90
+    assert "rank 0 (drafter 0): receiving batch" in err
+    assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
