@@ -112,6 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="resumable checkpoints (not a declared output)",
     )
     p.set_defaults(run="dflash.train.loop:run")
+
+    p = _add(sub, "eval", "speculative decoding of the drafter and baselines on the eval prompts")
+    p.add_argument("--target", type=Path, required=True, help="target HF directory")
+    p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")
+    p.add_argument("--held-out", type=Path, required=True, help="expand's eval split (parquet)")
+    p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
+    p.add_argument("--output", type=Path, required=True, help="acceptance.json to write")
+    p.set_defaults(run="dflash.eval.run:run")
+
+    p = _add(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by node budget")
+    p.add_argument("--target", type=Path, required=True, help="target HF directory")
+    p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")
+    p.add_argument("--held-out", type=Path, required=True, help="expand's eval split (parquet)")
+    p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
+    p.set_defaults(run="dflash.eval.run:run_ddtree")
+
+    p = _add(sub, "report", "results/summary.md and the report's plots, from the other outputs")
+    for name in ("stats", "metrics", "train-summary", "acceptance", "ddtree"):
+        p.add_argument(f"--{name}", type=Path, required=True)
+    p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
+    p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
+    p.set_defaults(run="dflash.eval.report:run")
     return parser
 
 

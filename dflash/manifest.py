@@ -18,11 +18,12 @@ from dflash.io import sha256_json, sha256_tree, write_json
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
-# Modules every stage imports (CLI wiring, io, config, manifests).
+# Modules every stage imports (io, config, manifests). Not cli.py: it only maps arguments to a
+# stage's `run`, rules pass every argument explicitly (a change shows in the rule's shell command,
+# a Snakemake code trigger), and adding a subcommand must not rerun every stage.
 _SHARED = (
     "__init__.py",
     "__main__.py",
-    "cli.py",
     "config.py",
     "io.py",
     "manifest.py",

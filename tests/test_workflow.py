@@ -133,3 +133,28 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     changed["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(changed))
     assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}
+
+
+def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
+    import yaml
+
+    from dflash.eval.report import PLOTS
+
+    flow = tiny_workflow
+    flow.run("all")
+    acc = json.loads((flow.results / "eval/acceptance.json").read_text())
+    assert acc["lossless"] == 1.0 and acc["n_prompts"] == 2 and acc["block_size"] == 8
+    assert set(acc["baselines"]) == {"target", "lookup", "untrained"}
+    assert acc["baselines"]["target"]["tau_pooled"] == 1.0  # no drafts: one token per forward
+    assert 1.0 <= acc["tau_pooled"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
+    tree = json.loads((flow.results / "eval/ddtree.json").read_text())
+    assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
+    summary = (flow.results / "summary.md").read_text()
+    assert f"τ = {acc['tau_pooled']:.3f} pooled" in summary
+    assert {p.name for p in (flow.results / "report").iterdir()} == {f"{n}.png" for n in PLOTS}
+
+    changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    changed["eval"]["max_new_tokens"] = 6
+    (flow.workdir / "eval.yaml").write_text(yaml.safe_dump(changed))
+    planned = set(flow.planned_jobs("all", config="eval.yaml")) - {"all"}
+    assert planned == {"eval_acceptance", "eval_ddtree", "report"}

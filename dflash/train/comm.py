@@ -7,8 +7,11 @@ ahead until `queue_depth` batches wait on a link, then blocks. Each feature tens
 small stats tensor (the target's compute and blocked time, the queue depth at send, the tokens),
 which is how drafters learn about target throughput and queue depth without extra collectives.
 
-Every wait is bounded by `timeout_s`; a peer that died or went silent becomes an error naming the
-peer, the batch and the cause, and torchrun then stops every other rank.
+Every wait is bounded: by `startup_timeout_s` until the first batch has crossed a link (model
+loading and compilation happen then), by `timeout_s` afterwards. A peer that died or went silent
+becomes an error naming the peer, the batch and the cause, and torchrun then stops every other
+rank. The process group's own timeout (the backstop for collectives, and NCCL's watchdog) is the
+startup one.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Dist:
     device: torch.device
     drafter_group: object | None = None
     timeout_s: float = 60.0
+    startup_timeout_s: float = 900.0
 
     @property
     def role(self) -> tuple[str, int]:
@@ -91,7 +95,7 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def init(topology: Topology, device_name: str, timeout_s: float) -> Dist:
+def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout_s: float) -> Dist:
     """Join the torchrun world (or run alone when the topology is one colocated drafter)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
@@ -111,10 +115,10 @@ def init(topology: Topology, device_name: str, timeout_s: float) -> Dist:
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if world == 1:
-        return Dist(topology, 0, device, timeout_s=timeout_s)
+        return Dist(topology, 0, device, timeout_s=timeout_s, startup_timeout_s=startup_timeout_s)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=max(timeout_s, startup_timeout_s)),
         device_id=device if device.type == "cuda" else None,
     )
     # Every rank must create every group, in the same order.
@@ -126,17 +130,31 @@ def init(topology: Topology, device_name: str, timeout_s: float) -> Dist:
         device,
         drafter_group=group if rank in drafter_ranks else None,
         timeout_s=timeout_s,
+        startup_timeout_s=startup_timeout_s,
     )
 
 
-def _wait(work, ctx: Dist, what: str) -> None:
+def _wait(work, ctx: Dist, what: str, started: bool) -> None:
+    """Wait for a p2p op, at most the startup or steady timeout; PeerError on failure."""
+    limit, key = (ctx.timeout_s, "train.timeout_s")
+    if not started:
+        limit, key = (ctx.startup_timeout_s, "train.startup_timeout_s")
+    silent = f"{ctx.name}: {what}: nothing for {limit:g} s ({key}): the peer hangs or is gone"
     try:
-        work.wait(timeout=datetime.timedelta(seconds=ctx.timeout_s))
+        if ctx.device.type == "cuda":
+            # NCCL's wait() only orders streams; poll the op's completion against a deadline.
+            deadline = time.monotonic() + limit
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise PeerError(silent)
+                time.sleep(0.0002)
+        # gloo completes a p2p op only inside wait(), which takes the timeout itself.
+        work.wait(timeout=datetime.timedelta(seconds=limit))
     except RuntimeError as e:
         cause = str(e).splitlines()[0][:300]
-        if "Timed out" in cause or "timed out" in cause:
-            cause = f"nothing for {ctx.timeout_s:g} s (train.timeout_s): the peer hangs or is gone"
-        raise PeerError(f"{ctx.name}: {what}: {cause}") from None
+        raise PeerError(
+            silent if "Timed out" in cause else f"{ctx.name}: {what}: {cause}"
+        ) from None
 
 
 class FeatureSender:
@@ -145,11 +163,12 @@ class FeatureSender:
     def __init__(self, ctx: Dist, depth: int):
         self.ctx, self.depth = ctx, depth
         self.links: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self.started: set[int] = set()  # links a batch has crossed
 
     def send(self, batch: int, dst: int, features: torch.Tensor, compute_s: float, tokens: int):
         link = self.links[dst]
-        while link and link[0][0].is_completed():
-            link.popleft()
+        while link and link[0][0].is_completed():  # NCCL only: gloo completes inside wait()
+            self._finish(dst, link.popleft())
         t0 = time.perf_counter()
         while len(link) >= self.depth:
             self._finish(dst, link.popleft())
@@ -170,7 +189,9 @@ class FeatureSender:
 
     def _finish(self, dst: int, entry) -> None:
         work, _, _, _, batch = entry
-        _wait(work, self.ctx, f"sending batch {batch} to {self.ctx.topology.name(dst)}")
+        what = f"sending batch {batch} to {self.ctx.topology.name(dst)}"
+        _wait(work, self.ctx, what, started=dst in self.started)
+        self.started.add(dst)
 
 
 class FeatureReceiver:
@@ -190,6 +211,7 @@ class FeatureReceiver:
             works = (dist.irecv(stats, src), dist.irecv(feats, src))
             pending.append((batch, src, feats, stats, works))
 
+        started = False
         items = iter(batches)
         for item in items:
             post(item)
@@ -198,8 +220,10 @@ class FeatureReceiver:
         while pending:
             batch, src, feats, stats, works = pending.popleft()
             t0 = time.perf_counter()
+            what = f"receiving batch {batch} from {self.ctx.topology.name(src)}"
             for work in works:
-                _wait(work, self.ctx, f"receiving batch {batch} from {self.ctx.topology.name(src)}")
+                _wait(work, self.ctx, what, started)
+            started = True
             if feats.is_cuda:
                 torch.cuda.current_stream().synchronize()
             wait = time.perf_counter() - t0

@@ -187,10 +187,12 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
         plan = batches.plan(epoch)
         first = start["position"] if epoch == start["epoch"] else 0
         for i in topo.batches(ctx.rank, len(plan), first):
+            started = time.perf_counter()
             upper, rows = plan[i]
             ids, _, attention = batches.tensors(rows, upper, ctx.device)
-            feats, compute_s = model(ids, attention)
+            feats, _ = model(ids, attention)
             tokens = int(attention.sum())
+            compute_s = time.perf_counter() - started  # batch assembly + forward: the busy time
             sent = sender.send(i, topo.dest_rank(i), feats, compute_s, tokens)
             trace(epoch=epoch, batch=i, dst=topo.dest_rank(i), compute_s=compute_s, **sent)
     sender.drain()
@@ -318,10 +320,38 @@ class Trainer:
             upper, rows = plan[i]
             yield i, self.batches.tensors(rows, upper, self.device), feats, {"wait": wait}, stats
 
+    def compile_shapes(self) -> None:
+        """Run every batch shape once before training, so no compile stalls a peer mid-run.
+
+        With the warmup rule's cache these are cache hits; gradients are discarded.
+        """
+        plan = self.batches.plan(0)
+        shapes = sorted({(len(rows), upper) for upper, rows in plan})
+        started = time.perf_counter()
+        for size, upper in shapes:
+            ids = torch.full((size, upper), self.dcfg.mask_token_id, device=self.device)
+            mask = torch.ones_like(ids)
+            feats = torch.zeros(
+                size, upper, self.width, device=self.device, dtype=self.compute_dtype
+            )
+            no_sync = self.step_fn.model.no_sync if self.ddp else contextlib.nullcontext
+            with no_sync():
+                loss, _ = self.step_fn.loss(feats, ids, mask, torch.Generator().manual_seed(0))
+                loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        log.info(
+            "%s compiled %d shapes in %.1f s",
+            self.ctx.name,
+            len(shapes),
+            time.perf_counter() - started,
+        )
+
     def fit(self, live: Path, trace: Trace) -> None:
         t = self.config["train"]
         accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
         self.resume()
+        if self.config["compile"]["enabled"]:
+            self.compile_shapes()
         if self.ctx.rank == 0:
             keep_metrics_upto(live, self.step)
         while self.epoch < t["epochs"]:
@@ -439,7 +469,7 @@ def run(args) -> None:
     config = args.config
     t = config["train"]
     topology = Topology(**t["topology"])
-    ctx = comm.init(topology, t["device"], t["timeout_s"])
+    ctx = comm.init(topology, t["device"], t["timeout_s"], t["startup_timeout_s"])
     try:
         _run(ctx, args)
     except comm.PeerError:

@@ -8,6 +8,10 @@ the same verdict can be recomputed from any run's `metrics.jsonl`.
 Verdict: a target's capacity is tokens / compute time, a drafter's is tokens / (time not spent
 waiting for features). The role with less total capacity limits the run, by the ratio of the two.
 A full queue (targets blocked) points at drafters; an empty one (drafters waiting) at targets.
+
+Queue depth = a link's sends not yet confirmed when a batch is sent. NCCL confirms a send once the
+receiver has taken it, so the depth is the real backlog; gloo confirms only when the sender waits
+on it, so on CPU it reads as full and the verdict relies on capacities and waiting times instead.
 """
 
 from __future__ import annotations
@@ -178,9 +182,9 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
         "verdict": (
             f"{slow} are the bottleneck: {fast} could process {ratio:.2f}x more "
             f"({fast} {max(drafter_capacity, target_capacity):.0f} vs "
-            f"{slow} {min(drafter_capacity, target_capacity):.0f} tokens/s); "
-            f"queue {mean_depth:.1f}/{queue_depth} full on average, targets blocked "
-            f"{blocked_fraction:.0%}, drafters waiting {summary['drafter_wait_fraction']:.0%}"
+            f"{slow} {min(drafter_capacity, target_capacity):.0f} tokens/s); targets blocked on "
+            f"a full queue {blocked_fraction:.0%} of their time, drafters waiting for features "
+            f"{summary['drafter_wait_fraction']:.0%}"
         ),
     }
     return summary

@@ -7,17 +7,20 @@ TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
 
 
-def torchrun_args():
-    """Standalone on one node; a c10d rendezvous across `train.nnodes` nodes (e.g. under srun)."""
+def launcher():
+    """torchrun, standalone on one node; on `train.nnodes` nodes one torchrun per node (srun)
+    meeting at a c10d rendezvous."""
     t = config["train"]
+    torchrun = f"{PYTHON} -m torch.distributed.run"
     if t["nnodes"] == 1:
-        return f"--standalone --nnodes 1 --nproc-per-node {WORLD}"
+        return f"{torchrun} --standalone --nnodes 1 --nproc-per-node {WORLD}"
     if WORLD % t["nnodes"] or not t["rdzv_endpoint"]:
         raise ValueError(
             "train.nnodes > 1 needs train.rdzv_endpoint and targets + drafters divisible by nnodes"
         )
     return (
-        f"--nnodes {t['nnodes']} --nproc-per-node {WORLD // t['nnodes']}"
+        f"srun --nodes {t['nnodes']} --ntasks-per-node 1 {torchrun}"
+        f" --nnodes {t['nnodes']} --nproc-per-node {WORLD // t['nnodes']}"
         f" --rdzv-backend c10d --rdzv-endpoint {t['rdzv_endpoint']} --rdzv-id dflash-train"
     )
 
@@ -49,7 +52,7 @@ rule train:
             "data.token_budget",
             "data.max_batch_size",
         ),
-        launch=torchrun_args(),
+        launch=launcher(),
         checkpoints=f"{R}/checkpoints",
         cache=COMPILE_CACHE,
         code=code_hash("model", "train", "data/batching.py"),
@@ -57,7 +60,7 @@ rule train:
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
         " OMP_NUM_THREADS=$(( {threads} / {WORLD} > 0 ? {threads} / {WORLD} : 1 ))"
-        " {PYTHON} -m torch.distributed.run {params.launch} -m dflash train"
+        " {params.launch} -m dflash train"
         " --config {params.config:q} --target {input.target} --data {input.data}"
         " --out {output.drafter} --metrics {output.metrics} --summary {output.summary}"
         " --checkpoints {params.checkpoints} > {log} 2>&1"

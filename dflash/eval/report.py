@@ -1,0 +1,185 @@
+"""`dflash report`: `results/summary.md` (read this first) and the plots of the Snakemake report.
+
+Everything here is read from the other rules' JSON outputs; nothing is recomputed, so the summary
+cannot disagree with the files it summarises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash.io import atomic_path, read_json
+
+PLOTS = ("acceptance", "rates", "ddtree", "training", "throughput", "lengths")
+
+
+def _plots(folder: Path, stats, metrics, acceptance, ddtree) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    block = acceptance["block_size"]
+    methods = {"drafter": acceptance, **acceptance["baselines"]}
+
+    def save(fig, name):
+        fig.tight_layout()
+        with atomic_path(folder / f"{name}.png") as tmp:
+            fig.savefig(tmp, format="png", dpi=100, metadata={"Software": None})
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(methods)
+    for j, (name, m) in enumerate(methods.items()):
+        counts = [m["histogram"][str(k)] for k in range(1, block + 1)]  # JSON keys are strings
+        total = max(sum(counts), 1)
+        ax.bar(
+            [k + j * width for k in range(1, block + 1)],
+            [c / total for c in counts],
+            width,
+            label=f"{name} (τ {m['tau_pooled']:.2f})",
+        )
+    ax.set(
+        xlabel="tokens accepted per target forward",
+        ylabel="share of rounds",
+        title="Acceptance length",
+    )
+    ax.legend()
+    save(fig, "acceptance")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, m in methods.items():
+        ks = [k for k in range(2, block + 1) if m["rates"][str(k)] is not None]
+        ax.plot(ks, [m["rates"][str(k)] for k in ks], marker="o", label=name)
+    ax.set(
+        xlabel="draft position k",
+        ylabel="P(accept ≥ k | accept ≥ k-1)",
+        ylim=(0, 1),
+        title="Per-position acceptance",
+    )
+    ax.legend()
+    save(fig, "rates")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows = sorted(ddtree["results"], key=lambda r: r["budget"])
+    ax.plot([r["budget"] for r in rows], [r["tau_pooled"] for r in rows], marker="o")
+    for r in rows:
+        ax.annotate(f"{r['speedup']:.2f}x", (r["budget"], r["tau_pooled"]))
+    ax.set(
+        xscale="log",
+        xlabel="draft nodes verified per forward",
+        ylabel="τ",
+        title="DDTree τ (labels: speedup)",
+    )
+    save(fig, "ddtree")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    steps = [m["step"] for m in metrics]
+    ax.plot(steps, [m["loss"] for m in metrics], label="loss")
+    ax.set(xlabel="optimizer step", ylabel="loss", title="Training")
+    twin = ax.twinx()
+    twin.plot(steps, [m["tau"] for m in metrics], color="C1", label="teacher-forced τ")
+    twin.set_ylabel("teacher-forced τ")
+    save(fig, "training")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [m["tokens_per_s"] for m in metrics], label="overall")
+    for d in range(len(metrics[0]["drafters"]) if metrics else 0):
+        ax.plot(
+            steps,
+            [m["drafters"][d]["tokens_per_s"] for m in metrics],
+            label=f"drafter {d}",
+            alpha=0.7,
+        )
+    if metrics and "targets" in metrics[-1]:
+        for t in range(len(metrics[-1]["targets"])):
+            ax.plot(
+                steps,
+                [
+                    m["targets"][t]["tokens_per_s"] if t < len(m.get("targets", [])) else None
+                    for m in metrics
+                ],
+                label=f"target {t} capacity",
+                alpha=0.7,
+            )
+    ax.set(xlabel="optimizer step", ylabel="tokens/s", title="Training throughput per role")
+    ax.legend()
+    save(fig, "throughput")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    hist = stats["histogram"]
+    starts = sorted(hist["counts"], key=int)
+    ax.bar(
+        [int(s) for s in starts],
+        [hist["counts"][s] for s in starts],
+        width=hist["bin_width"],
+        align="edge",
+    )
+    ax.set(xlabel="tokens per conversation", ylabel="rows", title="Training length distribution")
+    save(fig, "lengths")
+
+
+def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
+    b = acceptance["baselines"]
+    best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
+    lines = [
+        "# DFlash drafter run summary",
+        "",
+        f"**Acceptance (real speculative decoding, block {acceptance['block_size']}):** "
+        f"τ = {acceptance['tau_pooled']:.3f} pooled, {acceptance['tau_macro']:.3f} macro over "
+        f"{acceptance['n_prompts']} prompts; speedup {acceptance['speedup']:.2f}x over the target "
+        f"alone; lossless {acceptance['lossless']:.2f}.",
+        f"Teacher-forced τ on the same held-out data: {acceptance['teacher_forced_tau']:.3f} "
+        f"(gap {acceptance['teacher_forced_gap']:+.3f}).",
+        "",
+        "| method | τ pooled | τ macro | tokens/s | speedup | lossless |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, m in [
+        ("trained drafter", acceptance),
+        ("untrained drafter", b["untrained"]),
+        ("prompt lookup", b["lookup"]),
+        ("target only", b["target"]),
+    ]:
+        lines.append(
+            f"| {name} | {m['tau_pooled']:.3f} | {m['tau_macro']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |"
+        )
+    if acceptance["tau_pooled"] <= b["lookup"]["tau_pooled"]:
+        lines += [
+            "",
+            f"**Finding:** the trained drafter does not beat prompt lookup (τ {acceptance['tau_pooled']:.3f} vs {b['lookup']['tau_pooled']:.3f}).",
+        ]
+    lines += [
+        "",
+        f"**DDTree** (top-{ddtree['topk']} per position): "
+        + ", ".join(
+            f"{r['budget']} nodes τ {r['tau_pooled']:.2f} ({r['speedup']:.2f}x)"
+            for r in ddtree["results"]
+        )
+        + f"; best speedup {best_tree['speedup']:.2f}x at {best_tree['budget']} nodes.",
+        "",
+        f"**Training:** {len(metrics)} optimizer steps, final loss {metrics[-1]['loss']:.3f}, teacher-forced τ "
+        f"{metrics[-1]['tau']:.3f}; {train_summary['tokens_per_s']:.0f} tokens/s with "
+        f"{train_summary['topology']['targets']} target + {train_summary['topology']['drafters']} drafter ranks. "
+        f"{train_summary.get('verdict', '')}.",
+        "",
+        f"**Data:** {stats['rows']} training rows, mean length {stats['length']['mean']:.0f} tokens "
+        f"(p99 {stats['length']['p99']}).",
+        "",
+        "Files: `eval/acceptance.json`, `eval/ddtree.json`, `train/metrics.jsonl`, `train/summary.json`, "
+        "`data/stats/stats.json`; plots in `report/`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> None:
+    stats = read_json(args.stats)
+    train_summary = read_json(args.train_summary)
+    metrics = [json.loads(x) for x in Path(args.metrics).read_text().splitlines()]
+    acceptance = read_json(args.acceptance)
+    ddtree = read_json(args.ddtree)
+    _plots(Path(args.plots), stats, metrics, acceptance, ddtree)
+    with atomic_path(args.summary) as tmp:
+        tmp.write_text(summary_text(stats, train_summary, metrics, acceptance, ddtree))

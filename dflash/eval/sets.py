@@ -1,0 +1,180 @@
+"""Evaluation prompt sets: local files turned into chat prompts that end with a user turn.
+
+Nothing is downloaded: each entry of `eval.sets` names a local file and its format, e.g.
+`{name: gsm8k, format: gsm8k, path: data/gsm8k.jsonl, max_prompts: 50}`. `max_prompts` keeps the
+first N prompts; `name` defaults to the format. Every prompt becomes
+`EvalPrompt(set_name, id, messages)` and the target generates the reply to its last user turn.
+
+| format | file | fields used | prompt |
+|---|---|---|---|
+| `held_out` | the `eval.parquet` split written by `expand_dataset` | `id`, `conversations` | the conversation up to and including its first user turn (a leading system turn is kept) |
+| `gsm8k` | JSONL | `question` | the question |
+| `math500` | JSONL | `problem` | the problem |
+| `humaneval` | JSONL | `prompt` | "Complete the following Python function:" and the prompt in a python code block |
+| `mbpp` | JSONL | `text`, optional `test_list` | the text, then "Your code should pass these tests:" and the tests, one a line |
+| `mt_bench` | JSONL | `turns` (list of strings) | the first turn |
+| `chat` | JSONL | `messages` (list of `{role, content}`) or `prompt` (a string) | the messages up to and including the last user turn, or the prompt as one user turn |
+
+In JSONL files the id is the first present of `id`, `task_id`, `question_id`, `unique_id`, else
+the 0-based line number. Blank lines are skipped. A missing key, a malformed line or a missing file
+stops with a message naming the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import polars as pl
+
+from dflash.config import expand_user
+from dflash.data.normalize import BadRow, to_turns
+from dflash.errors import UserError
+
+ID_KEYS = ("id", "task_id", "question_id", "unique_id")
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    set_name: str
+    id: str
+    messages: list[dict]
+
+
+def _user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, int, dict]]:
+    """(where, 0-based line number, record) for each non-blank line."""
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            where = f"{path}: line {i + 1}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: malformed JSON: {e.msg}") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            yield where, i, record
+
+
+def _field(record: dict, key: str, where: str, kind: type = str):
+    if key not in record:
+        raise UserError(f"{where}: missing key '{key}'")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise UserError(
+            f"{where}: key '{key}' must be a {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _record_id(record: dict, line: int) -> str:
+    for key in ID_KEYS:
+        if record.get(key) is not None:
+            return str(record[key])
+    return str(line)
+
+
+def gsm8k(record: dict, where: str) -> list[dict]:
+    return _user(_field(record, "question", where))
+
+
+def math500(record: dict, where: str) -> list[dict]:
+    return _user(_field(record, "problem", where))
+
+
+def humaneval(record: dict, where: str) -> list[dict]:
+    code = _field(record, "prompt", where)
+    return _user(f"Complete the following Python function:\n```python\n{code}\n```")
+
+
+def mbpp(record: dict, where: str) -> list[dict]:
+    text = _field(record, "text", where)
+    tests = record.get("test_list") or []
+    if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
+        raise UserError(f"{where}: key 'test_list' must be a list of strings")
+    if not tests:
+        return _user(text)
+    return _user(f"{text}\nYour code should pass these tests:\n" + "\n".join(tests))
+
+
+def mt_bench(record: dict, where: str) -> list[dict]:
+    turns = _field(record, "turns", where, list)
+    if not turns or not isinstance(turns[0], str):
+        raise UserError(f"{where}: key 'turns' must be a non-empty list of strings")
+    return _user(turns[0])
+
+
+def chat(record: dict, where: str) -> list[dict]:
+    if "messages" not in record:
+        if "prompt" not in record:
+            raise UserError(f"{where}: missing key 'messages' (or 'prompt')")
+        return _user(_field(record, "prompt", where))
+    try:
+        turns = to_turns({"messages": record["messages"]})
+    except BadRow as bad:
+        raise UserError(f"{where}: {bad.detail or bad.reason}") from None
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+    if last_user is None:
+        raise UserError(f"{where}: key 'messages' has no user turn")
+    return turns[: last_user + 1]
+
+
+JSONL_FORMATS: dict[str, Callable[[dict, str], list[dict]]] = {
+    "gsm8k": gsm8k,
+    "math500": math500,
+    "humaneval": humaneval,
+    "mbpp": mbpp,
+    "mt_bench": mt_bench,
+    "chat": chat,
+}
+FORMATS = ("held_out", *JSONL_FORMATS)
+
+
+def held_out(path: Path, set_name: str = "held_out") -> Iterator[EvalPrompt]:
+    """The expand stage's held-out split: system turn (if any) plus the first user turn."""
+    frame = pl.read_parquet(path)
+    for key in ("id", "conversations"):
+        if key not in frame.columns:
+            raise UserError(f"{path}: missing column '{key}' (expected expand's eval.parquet)")
+    for i, row in enumerate(frame.select("id", "conversations").iter_rows(named=True)):
+        turns = row["conversations"] or []
+        first_user = next((j for j, t in enumerate(turns) if t["role"] == "user"), None)
+        if first_user is None:
+            raise UserError(f"{path}: row {i} (id {row['id']}): no user turn")
+        system = turns[:1] if turns[0]["role"] == "system" else []
+        messages = [dict(t) for t in system + [turns[first_user]]]
+        yield EvalPrompt(set_name, str(row["id"]), messages)
+
+
+def jsonl_prompts(path: Path, fmt: str, set_name: str) -> Iterator[EvalPrompt]:
+    to_messages = JSONL_FORMATS[fmt]
+    for where, line, record in _jsonl(path):
+        yield EvalPrompt(set_name, _record_id(record, line), to_messages(record, where))
+
+
+def load_eval_set(spec: dict, key: str = "eval.sets[]") -> list[EvalPrompt]:
+    """The prompts of one `eval.sets` entry; `key` names the entry in messages (`eval.sets[2]`)."""
+    for required in ("format", "path"):
+        if not spec.get(required):
+            raise UserError(f"{key}: missing key '{required}'")
+    fmt = spec["format"]
+    if fmt not in FORMATS:
+        raise UserError(f"{key}.format: unknown format {fmt!r}; expected one of {list(FORMATS)}")
+    name = spec.get("name") or fmt
+    path = expand_user(str(spec["path"]))
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (set {key}.path to a local copy of the {fmt} set)")
+    prompts = held_out(path, name) if fmt == "held_out" else jsonl_prompts(path, fmt, name)
+    limit = spec.get("max_prompts")
+    result = list(islice(prompts, limit) if limit is not None else prompts)
+    if not result:
+        raise UserError(f"{path}: no prompts in eval set '{name}' ({key}.path)")
+    return result

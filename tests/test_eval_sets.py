@@ -1,0 +1,174 @@
+"""Eval prompt sets: every format read into chat prompts; bad input named by file, line and key."""
+
+import json
+
+import pytest
+
+from dflash.data.expand import write_rows
+from dflash.data.normalize import clean, conversation_id, to_turns
+from dflash.errors import UserError
+from dflash.eval.sets import EvalPrompt, load_eval_set
+
+
+def jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def load(path, fmt, **extra):
+    return load_eval_set({"name": fmt, "format": fmt, "path": str(path), **extra})
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_gsm8k_ids_fall_back_to_line_number(tmp_path):
+    path = jsonl(tmp_path / "gsm8k.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "q"}])
+    prompts = load(path, "gsm8k")
+    assert prompts == [
+        EvalPrompt("gsm8k", "0", user("1+1?")),
+        EvalPrompt("gsm8k", "1", user("q")),
+    ]
+
+
+def test_math500_uses_unique_id(tmp_path):
+    path = jsonl(tmp_path / "m.jsonl", [{"problem": "p", "unique_id": "test/algebra/1.json"}])
+    assert load(path, "math500") == [EvalPrompt("math500", "test/algebra/1.json", user("p"))]
+
+
+def test_humaneval_wraps_the_prompt(tmp_path):
+    path = jsonl(tmp_path / "h.jsonl", [{"task_id": "HumanEval/0", "prompt": "def f():\n"}])
+    (prompt,) = load(path, "humaneval")
+    assert prompt.id == "HumanEval/0"
+    assert prompt.messages == user(
+        "Complete the following Python function:\n```python\ndef f():\n\n```"
+    )
+
+
+def test_mbpp_with_and_without_tests(tmp_path):
+    path = jsonl(
+        tmp_path / "mbpp.jsonl",
+        [
+            {"task_id": 2, "text": "Write f.", "test_list": ["assert f(1)", "assert f(2)"]},
+            {"task_id": 3, "text": "Write g."},
+        ],
+    )
+    a, b = load(path, "mbpp")
+    assert (a.id, b.id) == ("2", "3")
+    assert a.messages == user(
+        "Write f.\nYour code should pass these tests:\nassert f(1)\nassert f(2)"
+    )
+    assert b.messages == user("Write g.")
+
+
+def test_mt_bench_first_turn(tmp_path):
+    path = jsonl(tmp_path / "mt.jsonl", [{"question_id": 81, "turns": ["first", "second"]}])
+    assert load(path, "mt_bench") == [EvalPrompt("mt_bench", "81", user("first"))]
+
+
+def test_chat_messages_and_prompt(tmp_path):
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    path = jsonl(tmp_path / "c.jsonl", [{"id": "x", "messages": messages}, "", {"prompt": "p"}])
+    a, b = load(path, "chat")
+    assert a == EvalPrompt("chat", "x", messages[:4])  # up to the last user turn
+    assert b == EvalPrompt("chat", "2", user("p"))  # line number counts the blank line
+
+
+def test_max_prompts_and_default_name(tmp_path):
+    path = jsonl(tmp_path / "g.jsonl", [{"question": str(i)} for i in range(5)])
+    prompts = load_eval_set({"format": "gsm8k", "path": str(path), "max_prompts": 2})
+    assert [p.messages[0]["content"] for p in prompts] == ["0", "1"]
+    assert {p.set_name for p in prompts} == {"gsm8k"}
+
+
+@pytest.mark.parametrize(
+    "fmt, record, message",
+    [
+        ("gsm8k", {"problem": "x"}, "line 3: missing key 'question'"),
+        ("math500", {"question": "x"}, "line 3: missing key 'problem'"),
+        ("humaneval", {"text": "x"}, "line 3: missing key 'prompt'"),
+        ("mbpp", {"prompt": "x"}, "line 3: missing key 'text'"),
+        ("mt_bench", {"question": "x"}, "line 3: missing key 'turns'"),
+        ("chat", {"text": "x"}, "line 3: missing key 'messages' (or 'prompt')"),
+        ("gsm8k", {"question": 7}, "line 3: key 'question' must be a str, got int"),
+        ("mt_bench", {"turns": []}, "line 3: key 'turns' must be a non-empty list"),
+        ("chat", {"messages": [{"role": "assistant", "content": "a"}]}, "line 3: key 'messages'"),
+        ("chat", {"messages": [{"role": "user"}]}, "line 3: messages[0] has no 'content'"),
+    ],
+)
+def test_bad_record_names_file_line_and_key(tmp_path, fmt, record, message):
+    good = {
+        "gsm8k": {"question": "q"},
+        "math500": {"problem": "p"},
+        "humaneval": {"prompt": "p"},
+        "mbpp": {"text": "t"},
+        "mt_bench": {"turns": ["t"]},
+        "chat": {"prompt": "p"},
+    }[fmt]
+    path = jsonl(tmp_path / f"{fmt}.jsonl", [good, good, record])
+    with pytest.raises(UserError) as e:
+        load(path, fmt)
+    assert str(e.value).startswith(f"{path}: {message}")
+
+
+def test_malformed_json_names_file_and_line(tmp_path):
+    path = jsonl(tmp_path / "g.jsonl", [{"question": "q"}, "{not json"])
+    with pytest.raises(UserError, match=r"g\.jsonl: line 2: malformed JSON"):
+        load(path, "gsm8k")
+    path = jsonl(tmp_path / "g.jsonl", ["[1, 2]"])
+    with pytest.raises(UserError, match=r"g\.jsonl: line 1: expected a JSON object"):
+        load(path, "gsm8k")
+
+
+def test_missing_file_names_path_and_config_key(tmp_path):
+    spec = {"name": "g", "format": "gsm8k", "path": str(tmp_path / "nope.jsonl")}
+    with pytest.raises(UserError) as e:
+        load_eval_set(spec, key="eval.sets[1]")
+    assert "nope.jsonl: no such file" in str(e.value)
+    assert "eval.sets[1].path" in str(e.value)
+
+
+def test_bad_spec(tmp_path):
+    with pytest.raises(UserError, match=r"eval.sets\[0\]: missing key 'path'"):
+        load_eval_set({"format": "gsm8k"}, key="eval.sets[0]")
+    with pytest.raises(UserError, match=r"eval.sets\[0\].format: unknown format 'nope'"):
+        load_eval_set({"format": "nope", "path": "x"}, key="eval.sets[0]")
+    empty = jsonl(tmp_path / "e.jsonl", [""])
+    with pytest.raises(UserError, match="no prompts"):
+        load(empty, "gsm8k")
+
+
+def test_held_out_keeps_system_and_first_user_turn(tmp_path):
+    records = [
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "u1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "u2"},
+                {"role": "assistant", "content": "a2"},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+    ]
+    rows = []
+    for record in records:  # the same steps as expand.collect
+        turns = clean(to_turns(record), None)
+        rows.append({"id": conversation_id(turns), "source": "s", "conversations": turns})
+    path = tmp_path / "eval.parquet"
+    write_rows(rows, path)
+    prompts = load(path, "held_out")
+    assert [p.id for p in prompts] == [r["id"] for r in rows]
+    assert prompts[0].messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "u1"},
+    ]
+    assert prompts[1].messages == user("hi")
+    assert load(path, "held_out", max_prompts=1) == prompts[:1]

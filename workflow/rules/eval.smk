@@ -1,0 +1,90 @@
+# Evaluation: real speculative decoding of the exported drafter (not training state), its
+# baselines, DDTree, and the report a person reads first (results/summary.md).
+
+
+def eval_inputs():
+    return {
+        "target": target_dir(),
+        "drafter": f"{R}/drafter",
+        "held_out": f"{R}/data/expanded/eval.parquet",
+    }
+
+
+def eval_set_hashes():
+    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
+    return {
+        s["path"]: sha256_file(s["path"])
+        for s in config["eval"]["sets"]
+        if s.get("path")
+    }
+
+
+EVAL_CONFIG = config_json("seed", "drafter", "eval")
+EVAL_CODE = code_hash("eval", "model")
+
+
+rule eval_acceptance:
+    """τ (pooled, macro), histogram, per-position rates, speedup, lossless check; baselines."""
+    input:
+        **eval_inputs(),
+        tokenized=f"{R}/data/tokenized/eval.parquet",
+    output:
+        report(f"{R}/eval/acceptance.json", category="Evaluation"),
+    log:
+        f"{R}/logs/eval_acceptance.log",
+    threads: workflow.cores
+    params:
+        config=EVAL_CONFIG,
+        sets=eval_set_hashes(),
+        code=EVAL_CODE,
+        env=ENV_HASH,
+    shell:
+        "OMP_NUM_THREADS={threads} {DFLASH} eval --config {params.config:q}"
+        " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
+        " --tokenized {input.tokenized} --output {output} > {log} 2>&1"
+
+
+rule eval_ddtree:
+    """Tree drafting from the same drafter: τ and speedup by node budget."""
+    input:
+        **eval_inputs(),
+    output:
+        report(f"{R}/eval/ddtree.json", category="Evaluation"),
+    log:
+        f"{R}/logs/eval_ddtree.log",
+    threads: workflow.cores
+    params:
+        config=EVAL_CONFIG,
+        sets=eval_set_hashes(),
+        code=EVAL_CODE,
+        env=ENV_HASH,
+    shell:
+        "OMP_NUM_THREADS={threads} {DFLASH} ddtree --config {params.config:q}"
+        " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
+        " --output {output} > {log} 2>&1"
+
+
+rule report:
+    """results/summary.md plus the plots of `snakemake --report`."""
+    input:
+        stats=f"{R}/data/stats/stats.json",
+        metrics=f"{R}/train/metrics.jsonl",
+        train_summary=f"{R}/train/summary.json",
+        acceptance=f"{R}/eval/acceptance.json",
+        ddtree=f"{R}/eval/ddtree.json",
+    output:
+        summary=report(f"{R}/summary.md", category="Summary"),
+        plots=report(
+            directory(f"{R}/report"),
+            patterns=["{name}.png"],
+            category="Plots",
+        ),
+    log:
+        f"{R}/logs/report.log",
+    params:
+        code=code_hash("eval/report.py"),
+        env=ENV_HASH,
+    shell:
+        "{DFLASH} report --stats {input.stats} --metrics {input.metrics}"
+        " --train-summary {input.train_summary} --acceptance {input.acceptance}"
+        " --ddtree {input.ddtree} --summary {output.summary} --plots {output.plots} > {log} 2>&1"
