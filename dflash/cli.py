@@ -28,13 +28,14 @@ def load(value: str) -> dict:
     return load_config(value)
 
 
-def _add(sub, name: str, help: str):
+def _add(sub, name: str, help: str, config: bool = True):
     parser = sub.add_parser(name, help=help, description=help)
-    parser.add_argument(
-        "--config",
-        default="config/config.yaml",
-        help="config YAML file or inline JSON (default: config/config.yaml)",
-    )
+    if config:
+        parser.add_argument(
+            "--config",
+            default="config/config.yaml",
+            help="config YAML file or inline JSON (default: config/config.yaml)",
+        )
     parser.add_argument("--manifest", type=Path, help="write the stage's sha256 manifest here")
     return parser
 
@@ -128,7 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
     p.set_defaults(run="dflash.eval.run:run_ddtree")
 
-    p = _add(sub, "report", "results/summary.md and the report's plots, from the other outputs")
+    p = _add(
+        sub,
+        "report",
+        "results/summary.md and the report's plots, from the other outputs",
+        config=False,
+    )
     for name in ("stats", "metrics", "train-summary", "acceptance", "ddtree"):
         p.add_argument(f"--{name}", type=Path, required=True)
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.run.split(":")
     try:
-        args.config = load(args.config)
+        if hasattr(args, "config"):
+            args.config = load(args.config)
         getattr(importlib.import_module(module_name), func_name)(args)
     except UserError as e:
         print(f"dflash {args.command}: error: {e}", file=sys.stderr)

@@ -151,7 +151,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
     summary = (flow.results / "summary.md").read_text()
     assert f"τ = {acc['tau_pooled']:.3f} pooled" in summary
-    assert {p.name for p in (flow.results / "report").iterdir()} == {f"{n}.png" for n in PLOTS}
+    assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
 
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     changed["eval"]["max_new_tokens"] = 6
