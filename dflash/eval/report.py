@@ -155,10 +155,11 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         "",
         f"**DDTree** (top-{ddtree['topk']} per position): "
         + ", ".join(
-            f"{r['budget']} nodes τ {r['tau_pooled']:.2f} ({r['speedup']:.2f}x)"
+            f"{'chain of ' if r['method'] == 'chain' else ''}{r['budget']} nodes "
+            f"τ {r['tau_pooled']:.2f} ({r['speedup']:.2f}x)"
             for r in ddtree["results"]
         )
-        + f"; best speedup {best_tree['speedup']:.2f}x at {best_tree['budget']} nodes.",
+        + f"; best speedup {best_tree['speedup']:.2f}x ({best_tree['method']}).",
         "",
         f"**Training:** {len(metrics)} optimizer steps, final loss {metrics[-1]['loss']:.3f}, teacher-forced τ "
         f"{metrics[-1]['tau']:.3f}; {train_summary['tokens_per_s']:.0f} tokens/s with "

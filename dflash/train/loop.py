@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -472,7 +473,11 @@ def run(args) -> None:
     ctx = comm.init(topology, t["device"], t["timeout_s"], t["startup_timeout_s"])
     try:
         _run(ctx, args)
-    except comm.PeerError:
+    except comm.PeerError as e:
+        if ctx.distributed:
+            # Exit now: with a peer gone, NCCL teardown would wait on the unfinished p2p op.
+            print(f"dflash train: error: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
         raise
     except UserError as e:
         raise UserError(f"{ctx.name}: {e}") from None
