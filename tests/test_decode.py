@@ -135,4 +135,3 @@ def test_ddtree_decoding_is_lossless(target, drafter, budget):
         out = generate_tree(s, proposer, prompt, 40, set(), budget=budget, topk=4)
         assert out.tokens == reference.tokens
         assert all(1 <= a <= BLOCK for a in out.accepted)
-
