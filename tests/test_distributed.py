@@ -236,3 +236,18 @@ def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_
     assert time.time() - started < 90
     assert "rank 0 (drafter 0): receiving batch" in err
     assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
+
+
+def test_resume_refuses_checkpoints_of_other_training_code(runs, data, target_dir, tmp_path):
+    """A rerun after a code change must not resume (or re-export) the old run's checkpoint."""
+    subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
+    for folder in (tmp_path / "ckpt").glob("step-*"):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["contract"]["code"] = "0" * 64  # as written by other code
+        (folder / "meta.json").write_text(json.dumps(meta))
+        sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
+        (folder / "SHA256SUMS").write_text(sums)
+    run = launch(config(1, 1), data, target_dir, tmp_path)
+    err = run.communicate(timeout=300)[1]
+    assert run.returncode != 0
+    assert "code: checkpoint '0000000000000000" in err and "move the checkpoint folder away" in err

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.errors import UserError
 from dflash.io import atomic_path, sha256_file, write_json
+from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, resolve_attention
@@ -261,6 +262,9 @@ class Trainer:
             # Weights depend on the drafter count, not on how many targets feed them (or whether
             # they are colocated): a run may resume with a different number of target ranks.
             "drafters": self.topo.drafters,
+            # The training code itself (the train rule's code param): resuming a run with other
+            # code would silently mix two runs, or re-export a finished one.
+            "code": code_hash("model", "train", "data/batching.py"),
         }
         self.step, self.epoch, self.position = 0, 0, 0
 
