@@ -40,6 +40,15 @@ def _add(sub, name: str, help: str, config: bool = True):
     return parser
 
 
+def _add_decoding(sub, name: str, help: str):
+    """A stage that decodes the eval prompts (dflash.eval.run.Setup reads these arguments)."""
+    p = _add(sub, name, help)
+    p.add_argument("--target", type=Path, required=True, help="target HF directory")
+    p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")
+    p.add_argument("--held-out", type=Path, required=True, help="expand's eval split (parquet)")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,18 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run="dflash.train.loop:run")
 
-    p = _add(sub, "eval", "speculative decoding of the drafter and baselines on the eval prompts")
-    p.add_argument("--target", type=Path, required=True, help="target HF directory")
-    p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")
-    p.add_argument("--held-out", type=Path, required=True, help="expand's eval split (parquet)")
+    p = _add_decoding(sub, "eval", "speculative decoding of the drafter and baselines")
     p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
     p.add_argument("--output", type=Path, required=True, help="acceptance.json to write")
     p.set_defaults(run="dflash.eval.run:run")
 
-    p = _add(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by node budget")
-    p.add_argument("--target", type=Path, required=True, help="target HF directory")
-    p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")
-    p.add_argument("--held-out", type=Path, required=True, help="expand's eval split (parquet)")
+    p = _add_decoding(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by budget")
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
     p.set_defaults(run="dflash.eval.run:run_ddtree")
 

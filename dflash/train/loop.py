@@ -309,7 +309,7 @@ class Trainer:
         keep = self.config["train"]["keep_checkpoints"]
         save_checkpoint(self.checkpoints, self.step, state, meta, keep)
 
-    def features(self, epoch: int, plan, mine: list[int]):
+    def features(self, plan, mine: list[int]):
         """(batch, tensors, features, phase times, link stats) for this rank's batches."""
         if self.topo.colocated:
             for i in mine:
@@ -365,9 +365,7 @@ class Trainer:
             per_rank = usable // self.topo.drafters
             mine = self.topo.batches(self.ctx.rank, len(plan), self.position)
             window, metrics = Window(), []
-            for i, (ids, mask, attention), feats, phases, stats in self.features(
-                self.epoch, plan, mine
-            ):
+            for i, (ids, mask, attention), feats, phases, stats in self.features(plan, mine):
                 micro = i // self.topo.drafters  # this drafter's micro-batch index in the epoch
                 last = (micro + 1) % accum == 0 or micro + 1 == per_rank
                 for phase, seconds in phases.items():
