@@ -8,41 +8,72 @@ produce byte-identical manifests.
 
 from __future__ import annotations
 
-import hashlib
+import ast
 import importlib.metadata
 import os
-from collections.abc import Mapping
+import platform
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dflash.io import sha256_json, sha256_tree, write_json
+from dflash.io import sha256_file, sha256_json, sha256_tree, write_json
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
-# Modules every stage imports (io, config, manifests). Not cli.py: it only maps arguments to a
-# stage's `run`, rules pass every argument explicitly (a change shows in the rule's shell command,
-# a Snakemake code trigger), and adding a subcommand must not rerun every stage.
-_SHARED = (
-    "__init__.py",
-    "__main__.py",
-    "config.py",
-    "io.py",
-    "manifest.py",
-    "wheels.py",
-    "errors.py",
-)
+
+def _module_file(name: str) -> Path | None:
+    """The source file of a `dflash` module name, or None if it is not one."""
+    top, *rest = name.split(".")
+    if top != "dflash":
+        return None
+    if not rest:
+        return PACKAGE_ROOT / "__init__.py"
+    rel = PACKAGE_ROOT.joinpath(*rest)
+    for candidate in (rel.with_suffix(".py"), rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
-def code_hash(*subpackages: str) -> str:
-    """sha256 over the source of the shared modules plus the named subpackages of `dflash`."""
-    files = [PACKAGE_ROOT / name for name in _SHARED]
-    for sub in subpackages:
-        target = PACKAGE_ROOT / sub
-        files += sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(f.relative_to(PACKAGE_ROOT).as_posix().encode() + b"\0")
-        digest.update(f.read_bytes() + b"\0")
-    return digest.hexdigest()
+def imported_files(*modules: str) -> list[Path]:
+    """The named modules' source files plus every `dflash` module they import, transitively
+    (function-level imports included), plus the package `__init__` files on their paths."""
+    seen: set[Path] = set()
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
+            f = _module_file(".".join(parts[:i]))
+            if f is None or f in seen:
+                continue
+            seen.add(f)
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, ast.Import):
+                    todo += [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    # `from dflash.x import y`: y may be a submodule or a name in x
+                    todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return sorted(seen)
+
+
+def code_files(*modules: str) -> dict[str, str]:
+    """sha256 of each source file the named modules run (`imported_files`), keyed by its path
+    in the repository ("dflash/train/loop.py"): what `dflash compare` names."""
+    return {
+        f.relative_to(PACKAGE_ROOT.parent).as_posix(): sha256_file(f)
+        for f in imported_files(*modules)
+    }
+
+
+def code_hash(*modules: str) -> str:
+    """One sha256 over `code_files`: as a rule param, an edit to any module a stage runs reruns
+    that stage and nothing else (`cli.py` only maps arguments; rules pass every one explicitly,
+    so a wiring change shows in the shell command instead)."""
+    if not modules or not all(_module_file(m) for m in modules):
+        raise ValueError(f"code_hash: not dflash modules: {modules}")
+    return sha256_json(code_files(*modules))
 
 
 def environment_versions() -> dict[str, str]:
@@ -59,6 +90,42 @@ def environment_hash() -> str:
     return sha256_json(environment_versions())
 
 
+def gpus() -> dict:
+    """GPU models and driver from nvidia-smi (no CUDA context is created); empty without GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        return {"count": 0, "models": [], "driver": None}
+    query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"count": 0, "models": [], "driver": None}
+    rows = [[c.strip() for c in line.split(",")] for line in lines.splitlines() if line.strip()]
+    return {
+        "count": len(rows),
+        "models": [r[0] for r in rows],
+        "driver": rows[0][1] if rows and len(rows[0]) > 1 else None,
+    }
+
+
+def environment_record() -> dict:
+    """What a run's numbers can depend on outside the code: interpreter, the versions that matter
+    most, the accelerator stack, and every installed package."""
+    import torch
+
+    packages = environment_versions()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "transformers": packages.get("transformers"),
+        "snakemake": packages.get("snakemake"),
+        "gpus": gpus(),
+        "packages": packages,
+        "sha256": sha256_json(packages),
+    }
+
+
 def describe_paths(paths: Mapping[str, str | os.PathLike]) -> dict[str, dict[str, str]]:
     return {name: sha256_tree(path) for name, path in sorted(paths.items())}
 
@@ -69,13 +136,17 @@ def write_manifest(
     inputs: Mapping[str, str | os.PathLike],
     outputs: Mapping[str, str | os.PathLike],
     params: Mapping | None = None,
-    code: str | None = None,
+    code: Sequence[str] = (),
 ) -> dict:
-    """Hash inputs and outputs and write the stage's manifest atomically; return it."""
+    """Hash inputs and outputs and write the stage's manifest atomically; return it.
+
+    `code` names the module the stage runs (as for `code_hash`)."""
     manifest = {
         "stage": stage,
         "params": dict(params or {}),
-        "code_sha256": code,
+        "code_sha256": code_hash(*code),
+        "code_files": code_files(*code),
+        "environment": environment_record(),
         "inputs": {name: str(p) for name, p in sorted(inputs.items())},
         "input_sha256": describe_paths(inputs),
         "outputs": {name: str(p) for name, p in sorted(outputs.items())},

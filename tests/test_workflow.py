@@ -91,14 +91,17 @@ def test_param_changes_rerun_only_what_depends_on_them(tiny_workflow):
 
 def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
     flow = tiny_workflow
-    stats_module = flow.repo / "dflash" / "data" / "stats.py"
-    original = stats_module.read_text()
-    try:
-        stats_module.write_text(original + "\n# an edit\n")
-        planned = flow.planned_jobs("stats")
-        assert DATA_RULES <= set(planned) and "target" not in planned
-    finally:
-        stats_module.write_text(original)
+    for module, expected in (
+        ("normalize.py", DATA_RULES),  # expand imports it: everything after expand reruns
+        ("stats.py", {"length_stats"}),  # only the stats rule imports it
+    ):
+        path = flow.repo / "dflash" / "data" / module
+        original = path.read_text()
+        try:
+            path.write_text(original + "\n# an edit\n")
+            assert set(flow.planned_jobs("stats")) - {"stats"} == expected, module
+        finally:
+            path.write_text(original)
     assert flow.planned_jobs("stats") == {}
 
 
@@ -157,4 +160,4 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     changed["eval"]["max_new_tokens"] = 6
     (flow.workdir / "eval.yaml").write_text(yaml.safe_dump(changed))
     planned = set(flow.planned_jobs("all", config="eval.yaml")) - {"all"}
-    assert planned == {"eval_acceptance", "eval_ddtree", "report"}
+    assert planned == {"eval_acceptance", "eval_ddtree", "report", "record"}

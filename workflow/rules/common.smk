@@ -18,7 +18,6 @@ PYTHON = shlex.quote(sys.executable)
 DFLASH = f"{PYTHON} -m dflash"
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
-DATA_CODE = code_hash("data")
 HAS_GPU = shutil.which("nvidia-smi") is not None
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
 

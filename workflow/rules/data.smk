@@ -11,7 +11,7 @@ rule target:
         f"{R}/logs/target.log",
     params:
         config=config_json("target", "cache_dir"),
-        code=code_hash("model/convert.py"),
+        code=code_hash("dflash.model.convert"),
         env=ENV_HASH,
     shell:
         "{DFLASH} target --config {params.config:q} --out {output.model} --info {output.info}"
@@ -39,7 +39,7 @@ rule expand_dataset:
             "data.eval_rows",
         ),
         local_sources=local_source_hashes(),
-        code=DATA_CODE,
+        code=code_hash("dflash.data.expand"),
         env=ENV_HASH,
     shell:
         "{DFLASH} expand --config {params.config:q} --train {output.train} --eval {output.eval}"
@@ -66,7 +66,7 @@ rule regenerate_shard:
         config=config_json("data.regenerate"),
         target=target_fingerprint(),
         workdir=f"{R}/work/regenerate/{{split}}",
-        code=DATA_CODE,
+        code=code_hash("dflash.data.regenerate"),
         env=ENV_HASH,
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} regenerate --config {params.config:q}"
@@ -89,7 +89,7 @@ rule regenerate:
     log:
         f"{R}/logs/regenerate_{{split}}.log",
     params:
-        code=DATA_CODE,
+        code=code_hash("dflash.data.regenerate"),
         env=ENV_HASH,
     shell:
         "{DFLASH} merge-shards --config '{{}}' --input {input.rows} --shard-files {input.shards}"
@@ -111,7 +111,7 @@ rule tokenize:
     params:
         config=config_json("data.max_length", "data.num_proc"),
         target=target_fingerprint(),
-        code=DATA_CODE,
+        code=code_hash("dflash.data.tokenization"),
         env=ENV_HASH,
     shell:
         "{DFLASH} tokenize --config {params.config:q} --target {input.target}"

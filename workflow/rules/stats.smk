@@ -22,7 +22,7 @@ rule length_stats:
             "data.previous_stats",
         ),
         previous=previous_stats_hash(),
-        code=DATA_CODE,
+        code=code_hash("dflash.data.stats"),
         env=ENV_HASH,
     shell:
         "{DFLASH} stats --config {params.config:q} --input {input.rows} --json {output.json}"
