@@ -23,6 +23,7 @@ from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.metrics import acceptance
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.io import sha256_file, write_json
+from dflash.manifest import write_manifest
 from dflash.model.drafter import Drafter, load_drafter
 from dflash.model.objective import default_gamma, dflash_loss
 from dflash.model.step import resolve_device
@@ -160,6 +161,21 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
     raise UserError(f"speculative output differs from the target's greedy output: {bad}")
 
 
+def _manifest(args) -> None:
+    if args.manifest:
+        inputs = {"drafter": args.drafter, "held_out": args.held_out}
+        if getattr(args, "tokenized", None):
+            inputs["tokenized"] = args.tokenized
+        write_manifest(
+            args.manifest,
+            args.command,
+            inputs,
+            {"output": args.output},
+            params=args.config,
+            code=(__name__,),
+        )
+
+
 def run(args) -> None:
     """results/eval/acceptance.json: the trained drafter, its baselines, teacher-forced τ."""
     setup = Setup(args)
@@ -196,6 +212,7 @@ def run(args) -> None:
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
+    _manifest(args)
     log.info(
         "tau %.3f (macro %.3f), teacher-forced %.3f, speedup %.2fx, lossless %.2f",
         record["tau_pooled"],
@@ -254,5 +271,6 @@ def run_ddtree(args) -> None:
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
+    _manifest(args)
     for r in rows:
         log.info("%s", r)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from dflash.io import read_json, write_json
+from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +139,12 @@ def run(args) -> None:
     record["seconds"] = round(time.perf_counter() - started, 1)
     record["cache_files"], record["cache_bytes"] = tree_size(cache)
     write_json(args.record, record)
+    if args.manifest:
+        write_manifest(
+            args.manifest,
+            "warmup",
+            {"stats": args.stats},
+            {"record": args.record},
+            params=config,
+            code=(__name__,),
+        )

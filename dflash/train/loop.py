@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.errors import UserError
 from dflash.io import atomic_path, sha256_file, write_json
-from dflash.manifest import code_hash
+from dflash.manifest import code_hash, write_manifest
 from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, resolve_attention
@@ -42,6 +42,22 @@ from dflash.train.telemetry import Window, step_record, summarize, sync
 from dflash.train.topology import Topology
 
 log = logging.getLogger(__name__)
+
+# What training runs (this module and all it imports): the train rule's code param and part of
+# the resume contract.
+TRAINING_CODE = ("dflash.train.loop",)
+# The config keys training reads: the train rule passes exactly these (its rerun trigger).
+TRAINING_CONFIG = (
+    "seed",
+    "target.mask_token_id",
+    "drafter",
+    "compile",
+    "train",
+    "data.buckets",
+    "data.max_length",
+    "data.token_budget",
+    "data.max_batch_size",
+)
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):
@@ -264,7 +280,7 @@ class Trainer:
             "drafters": self.topo.drafters,
             # The training code itself (the train rule's code param): resuming a run with other
             # code would silently mix two runs, or re-export a finished one.
-            "code": code_hash("model", "train", "data/batching.py"),
+            "code": code_hash(*TRAINING_CODE),
         }
         self.step, self.epoch, self.position = 0, 0, 0
 
@@ -507,3 +523,12 @@ def _run(ctx: comm.Dist, args) -> None:
     write_json(args.summary, summary)
     with atomic_path(args.metrics) as tmp:
         tmp.write_text("".join(line + "\n" for line in lines))
+    if args.manifest:
+        write_manifest(
+            args.manifest,
+            "train",
+            {"data": args.data},
+            {"drafter": args.out, "metrics": args.metrics, "summary": args.summary},
+            params={**config, "world_size": ctx.topology.world},
+            code=TRAINING_CODE,
+        )

@@ -10,6 +10,7 @@ rule warmup_compile:
         target=target_dir(),
     output:
         record=f"{R}/compile/warmup.json",
+        manifest=f"{R}/manifests/warmup_compile.json",
     log:
         f"{R}/logs/warmup_compile.log",
     resources:
@@ -17,9 +18,10 @@ rule warmup_compile:
     params:
         config=config_json("results", "drafter", "compile", "target.mask_token_id"),
         cache=COMPILE_CACHE,
-        code=code_hash("model"),
+        code=code_hash("dflash.model.warmup"),
         env=ENV_HASH,
     shell:
         "{DFLASH} warmup --config {params.config:q} --target {input.target}"
         " --stats {input.stats} --record {output.record} --cache-dir {params.cache}"
+        " --manifest {output.manifest}"
         " > {log} 2>&1"

@@ -20,7 +20,7 @@ def eval_set_hashes():
 
 
 EVAL_CONFIG = config_json("seed", "drafter", "eval")
-EVAL_CODE = code_hash("eval", "model")
+EVAL_CODE = code_hash("dflash.eval.run")
 
 
 rule eval_acceptance:
@@ -29,7 +29,8 @@ rule eval_acceptance:
         **eval_inputs(),
         tokenized=f"{R}/data/tokenized/eval.parquet",
     output:
-        report(f"{R}/eval/acceptance.json", category="Evaluation"),
+        acceptance=report(f"{R}/eval/acceptance.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_acceptance.json",
     log:
         f"{R}/logs/eval_acceptance.log",
     threads: workflow.cores
@@ -41,7 +42,8 @@ rule eval_acceptance:
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} eval --config {params.config:q}"
         " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
-        " --tokenized {input.tokenized} --output {output} > {log} 2>&1"
+        " --tokenized {input.tokenized} --output {output.acceptance}"
+        " --manifest {output.manifest} > {log} 2>&1"
 
 
 rule eval_ddtree:
@@ -49,7 +51,8 @@ rule eval_ddtree:
     input:
         **eval_inputs(),
     output:
-        report(f"{R}/eval/ddtree.json", category="Evaluation"),
+        ddtree=report(f"{R}/eval/ddtree.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_ddtree.json",
     log:
         f"{R}/logs/eval_ddtree.log",
     threads: workflow.cores
@@ -61,7 +64,7 @@ rule eval_ddtree:
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} ddtree --config {params.config:q}"
         " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
-        " --output {output} > {log} 2>&1"
+        " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
 rule report:
@@ -82,7 +85,7 @@ rule report:
     log:
         f"{R}/logs/report.log",
     params:
-        code=code_hash("eval/report.py"),
+        code=code_hash("dflash.eval.report"),
         env=ENV_HASH,
     shell:
         "{DFLASH} report --stats {input.stats} --metrics {input.metrics}"

@@ -3,6 +3,8 @@
 # Snakemake deletes declared outputs of a failed job, and a rerun of this rule resumes from the
 # newest valid checkpoint.
 
+from dflash.train.loop import TRAINING_CONFIG
+
 TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
 
@@ -35,27 +37,18 @@ rule train:
         drafter=directory(f"{R}/drafter"),
         metrics=f"{R}/train/metrics.jsonl",
         summary=f"{R}/train/summary.json",
+        manifest=f"{R}/manifests/train.json",
     log:
         f"{R}/logs/train.log",
     threads: workflow.cores
     resources:
         gpu=WORLD if HAS_GPU else 0,
     params:
-        config=config_json(
-            "seed",
-            "target.mask_token_id",
-            "drafter",
-            "compile",
-            "train",
-            "data.buckets",
-            "data.max_length",
-            "data.token_budget",
-            "data.max_batch_size",
-        ),
+        config=config_json(*TRAINING_CONFIG),
         launch=launcher(),
         checkpoints=f"{R}/checkpoints",
         cache=COMPILE_CACHE,
-        code=code_hash("model", "train", "data/batching.py"),
+        code=code_hash("dflash.train.loop"),
         env=ENV_HASH,
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
@@ -63,4 +56,4 @@ rule train:
         " {params.launch} -m dflash train"
         " --config {params.config:q} --target {input.target} --data {input.data}"
         " --out {output.drafter} --metrics {output.metrics} --summary {output.summary}"
-        " --checkpoints {params.checkpoints} > {log} 2>&1"
+        " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
