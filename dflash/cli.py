@@ -56,13 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "target", "resolve the target LLM into a plain HF directory")
     p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
     p.add_argument("--info", type=Path, required=True, help="target facts JSON (mask token, ...)")
-    p.set_defaults(run="dflash.model.convert:run")
+    p.set_defaults(stage="dflash.model.convert:run")
 
     p = _add(sub, "expand", "merge, normalise, dedupe, shuffle and split the chat sources")
     p.add_argument("--train", type=Path, required=True)
     p.add_argument("--eval", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
-    p.set_defaults(run="dflash.data.expand:run")
+    p.set_defaults(stage="dflash.data.expand:run")
 
     p = _add(sub, "regenerate", "rewrite assistant turns with the target (greedy), resumably")
     p.add_argument("--target", type=Path, required=True, help="target HF directory")
@@ -76,33 +76,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--shards", type=int, default=1)
-    p.set_defaults(run="dflash.data.regenerate:run")
+    p.set_defaults(stage="dflash.data.regenerate:run")
 
     p = _add(sub, "merge-shards", "merge regenerated shards back into input order")
     p.add_argument("--input", type=Path, required=True, help="the expanded split they came from")
     p.add_argument("--shard-files", type=Path, nargs="+", required=True)
     p.add_argument("--output", type=Path, required=True)
-    p.set_defaults(run="dflash.data.regenerate:run_merge")
+    p.set_defaults(stage="dflash.data.regenerate:run_merge")
 
     p = _add(sub, "tokenize", "render with the chat template and build loss masks")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (tokenizer)")
     p.add_argument("--input", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)
-    p.set_defaults(run="dflash.data.tokenization:run")
+    p.set_defaults(stage="dflash.data.tokenization:run")
 
     p = _add(sub, "stats", "length statistics, bucket table and drift")
     p.add_argument("--input", type=Path, required=True, help="tokenized parquet")
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--plot", type=Path, required=True)
     p.add_argument("--previous", type=Path, help="earlier stats.json to compare against")
-    p.set_defaults(run="dflash.data.stats:run")
+    p.set_defaults(stage="dflash.data.stats:run")
 
     p = _add(sub, "warmup", "compile the drafter step for every bucket shape on one thread")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (config only)")
     p.add_argument("--stats", type=Path, required=True, help="stats.json with the bucket table")
     p.add_argument("--record", type=Path, required=True, help="warmup record JSON to write")
     p.add_argument("--cache-dir", help="compile cache (default: compile.cache_dir)")
-    p.set_defaults(run="dflash.model.warmup:run")
+    p.set_defaults(stage="dflash.model.warmup:run")
 
     p = _add(
         sub,
@@ -121,16 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="resumable checkpoints (not a declared output)",
     )
-    p.set_defaults(run="dflash.train.loop:run")
+    p.set_defaults(stage="dflash.train.loop:run")
 
     p = _add_decoding(sub, "eval", "speculative decoding of the drafter and baselines")
     p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
     p.add_argument("--output", type=Path, required=True, help="acceptance.json to write")
-    p.set_defaults(run="dflash.eval.run:run")
+    p.set_defaults(stage="dflash.eval.run:run")
 
     p = _add_decoding(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by budget")
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
-    p.set_defaults(run="dflash.eval.run:run_ddtree")
+    p.set_defaults(stage="dflash.eval.run:run_ddtree")
 
     p = _add(
         sub,
@@ -142,7 +142,34 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=Path, required=True)
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
-    p.set_defaults(run="dflash.eval.report:run")
+    p.set_defaults(stage="dflash.eval.report:run")
+
+    p = _add(sub, "record", "results/MANIFEST.json: every artefact's sha256 and the run record")
+    p.add_argument("--results", type=Path, required=True, help="the results folder")
+    p.add_argument("--workflow-dir", type=Path, help="workflow folder whose files to hash")
+    p.add_argument("--output", type=Path, required=True, help="MANIFEST.json to write")
+    p.add_argument("outputs", type=Path, nargs="+", help="every declared output of the run")
+    p.set_defaults(stage="dflash.record:run")
+
+    p = sub.add_parser(
+        "verify",
+        help="re-hash every artefact against the run record",
+        description="Re-hash every artefact against results/MANIFEST.json; report missing, "
+        "changed and unrecorded files; exit 1 on any.",
+    )
+    p.add_argument("run", nargs="?", default="results", help="MANIFEST.json or results folder")
+    p.set_defaults(stage="dflash.verify:run")
+
+    p = sub.add_parser(
+        "compare",
+        help="why is run B different from run A? (ranked causes)",
+        description="Rank the recorded causes (topology, environment, code, config, data) of "
+        "the throughput and τ differences between two runs.",
+    )
+    p.add_argument("run_a", help="MANIFEST.json or results folder")
+    p.add_argument("run_b", help="MANIFEST.json or results folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(stage="dflash.compare:run")
     return parser
 
 
@@ -151,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
     )
     args = build_parser().parse_args(argv)
-    module_name, func_name = args.run.split(":")
+    module_name, func_name = args.stage.split(":")
     try:
         if hasattr(args, "config"):
             args.config = load(args.config)

@@ -1,0 +1,214 @@
+"""The run record, `results/MANIFEST.json`: sha256 of every declared output plus what the run's
+numbers depend on (code, environment, config, data, topology) and the numbers themselves
+(training throughput per role, τ). `dflash verify` re-hashes against it; `dflash compare` diffs
+two of them.
+
+Two runs of the same code, config and environment on one host give identical records except
+for the fields named in VOLATILE.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+from dflash.errors import UserError
+from dflash.io import read_json, sha256_file, sha256_json, write_json
+from dflash.manifest import PACKAGE_ROOT, environment_record
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+# Fields that honestly differ between two identical runs, by exact name (dotted path into the
+# record). Everything else must match.
+VOLATILE = (
+    # when and where the record was written
+    "created",
+    "host",
+    # wall-clock measurements
+    "train.throughput",
+    "eval.speed",
+    # files that embed wall-clock measurements (tokens/s, seconds, speedups) ...
+    "artefacts.compile/warmup.json",
+    "artefacts.train/metrics.jsonl",
+    "artefacts.train/summary.json",
+    "artefacts.eval/acceptance.json",
+    "artefacts.eval/ddtree.json",
+    "artefacts.summary.md",
+    "artefacts.report/throughput.png",
+    "artefacts.report/ddtree.png",
+    # ... and the stage manifests that hash those files
+    "artefacts.manifests/warmup_compile.json",
+    "artefacts.manifests/train.json",
+    "artefacts.manifests/eval_acceptance.json",
+    "artefacts.manifests/eval_ddtree.json",
+)
+
+# Working state under results/ that no rule declares as an output: never recorded or verified.
+UNDECLARED = ("logs", "checkpoints", "work", "compile-cache", "MANIFEST.json")
+
+
+def git_state(repo: Path) -> dict | None:
+    """Commit and dirty flag of the checkout holding the package (None outside git)."""
+
+    def git(*args):
+        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    if git("rev-parse", "--show-toplevel") != str(repo.resolve()):
+        return None  # the package is not the root of its own checkout (e.g. an installed copy)
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def source_files(workflow_dir: Path | None) -> dict[str, str]:
+    """sha256 of every package module and workflow file, keyed by path in the repository."""
+    files = sorted(PACKAGE_ROOT.rglob("*.py"))
+    root = PACKAGE_ROOT.parent
+    hashes = {f.relative_to(root).as_posix(): sha256_file(f) for f in files}
+    if workflow_dir is not None:
+        for f in sorted(Path(workflow_dir).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                hashes[f"workflow/{f.relative_to(workflow_dir).as_posix()}"] = sha256_file(f)
+    return hashes
+
+
+def artefact_hashes(results: Path, paths: list[Path]) -> dict[str, str]:
+    """sha256 of every file of the given outputs (folders expanded), keyed relative to results/."""
+    hashes = {}
+    for path in paths:
+        path = Path(path)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        if not path.exists():
+            raise UserError(f"record: declared output {path} does not exist")
+        for f in files:
+            try:
+                rel = f.resolve().relative_to(results.resolve()).as_posix()
+            except ValueError:
+                raise UserError(f"record: {f} is outside the results folder {results}") from None
+            hashes[rel] = sha256_file(f)
+    return dict(sorted(hashes.items()))
+
+
+def data_summary(stats: dict) -> dict:
+    rows = max(stats["rows"], 1)
+    return {
+        "rows": stats["rows"],
+        "tokens": stats["tokens"],
+        "trainable_tokens": stats["trainable_tokens"],
+        "length": stats["length"],
+        "bucket_shares": {
+            f"{b['lower']}-{b['upper']}": round(b["rows"] / rows, 4) for b in stats["buckets"]
+        },
+        "batches_per_epoch": stats["batches_per_epoch"],
+    }
+
+
+def train_summary(summary: dict, metrics: list[dict]) -> dict:
+    last = metrics[-1] if metrics else {}
+    world = sum(summary.get("topology", {}).values()) or 1
+    throughput = {
+        k: summary.get(k)
+        for k in (
+            "tokens_per_s",
+            "drafter_capacity_tokens_per_s",
+            "target_capacity_tokens_per_s",
+            "drafter_wait_fraction",
+            "target_blocked_fraction",
+            "mean_queue_depth",
+            "time_split",
+            "bottleneck",
+            "verdict",
+        )
+    }
+    throughput["tokens_per_s_per_process"] = round((summary.get("tokens_per_s") or 0) / world, 1)
+    peaks = [d.get("peak_memory_gb") for m in metrics for d in m.get("drafters", [])]
+    throughput["peak_memory_gb"] = max((p for p in peaks if p is not None), default=None)
+    return {
+        "result": {"steps": last.get("step", 0), "loss": last.get("loss"), "tau": last.get("tau")},
+        "throughput": throughput,
+    }
+
+
+def eval_summary(acceptance: dict, ddtree: dict) -> dict:
+    methods = {"drafter": acceptance, **acceptance["baselines"]}
+    trees = {str(r["budget"]): r for r in ddtree["results"]}
+    return {
+        "quality": {
+            "tau_pooled": {name: m["tau_pooled"] for name, m in methods.items()},
+            "tau_macro": {name: m["tau_macro"] for name, m in methods.items()},
+            "teacher_forced_tau": acceptance["teacher_forced_tau"],
+            "ddtree_tau": {b: r["tau_pooled"] for b, r in trees.items()},
+            "lossless": min(acceptance["lossless"], ddtree["lossless"]),
+            "n_prompts": acceptance["n_prompts"],
+        },
+        "speed": {
+            "tokens_per_s": {name: m["tokens_per_s"] for name, m in methods.items()},
+            "speedup": {name: m["speedup"] for name, m in methods.items()},
+            "ddtree_speedup": {b: r["speedup"] for b, r in trees.items()},
+        },
+    }
+
+
+def stage_records(results: Path) -> dict:
+    """Each rule's sidecar manifest, without the parts the record already holds once."""
+    stages = {}
+    for path in sorted((results / "manifests").glob("*.json")):
+        m = read_json(path)
+        env = m.pop("environment", None) or {}
+        m.pop("output_sha256", None)  # the same hashes are in the record's artefacts
+        m.pop("code_files", None)  # every file's hash is in the record's code
+        m["environment_sha256"] = env.get("sha256")
+        stages[path.stem] = m
+    return stages
+
+
+def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir: Path | None):
+    results = Path(results)
+
+    def optional(rel):
+        path = results / rel
+        return read_json(path) if path.exists() else None
+
+    files = source_files(workflow_dir)
+    topology = config["train"]["topology"]
+    record = {
+        "format": FORMAT,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "git": git_state(PACKAGE_ROOT.parent),
+        "code": {"sha256": sha256_json(files), "files": files},
+        "environment": environment_record(),
+        "config_sha256": sha256_json(config),
+        "config": config,
+        "topology": {
+            **topology,
+            "world": topology["targets"] + topology["drafters"],
+            "nnodes": config["train"]["nnodes"],
+            "device": config["train"]["device"],
+        },
+    }
+    if stats := optional("data/stats/stats.json"):
+        record["data"] = data_summary(stats)
+    if summary := optional("train/summary.json"):
+        lines = (results / "train/metrics.jsonl").read_text().splitlines()
+        record["train"] = train_summary(summary, [json.loads(x) for x in lines])
+    acceptance, ddtree = optional("eval/acceptance.json"), optional("eval/ddtree.json")
+    if acceptance and ddtree:
+        record["eval"] = eval_summary(acceptance, ddtree)
+    record["stages"] = stage_records(results)
+    record["artefacts"] = artefact_hashes(results, outputs)
+    return record
+
+
+def run(args) -> None:
+    record = build_record(args.results, args.config, args.outputs, args.workflow_dir)
+    write_json(args.output, record)
+    log.info("record: %d artefacts -> %s", len(record["artefacts"]), args.output)

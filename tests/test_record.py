@@ -1,0 +1,322 @@
+"""The run record, `verify` and `compare`, on two real full runs of the tiny config."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from conftest import TESTS, Workflow, copy_repo
+
+from dflash.compare import compare, load_run
+from dflash.record import VOLATILE, data_summary
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_a(tiny_workflow) -> Workflow:
+    tiny_workflow.run("all")
+    return tiny_workflow
+
+
+@pytest.fixture(scope="module")
+def run_b(run_a, tmp_path_factory) -> Workflow:
+    """A second full run from scratch: same code, config and environment, another folder."""
+    workdir = tmp_path_factory.mktemp("second-run")
+    for name in ("tiny.yaml", "local.jsonl"):
+        shutil.copy(TESTS / "data" / name, workdir / name)
+    flow = Workflow(run_a.repo, workdir)
+    flow.run("all")
+    return flow
+
+
+def record(flow: Workflow) -> dict:
+    return json.loads((flow.results / "MANIFEST.json").read_text())
+
+
+def without(record: dict, dotted_paths) -> dict:
+    record = copy.deepcopy(record)
+    for dotted in dotted_paths:
+        head, _, leaf = dotted.partition(".")
+        node, key = record, head
+        if leaf:  # "artefacts.train/summary.json": artefact names contain dots, so split once
+            node, key = record.get(head, {}), leaf
+        node.pop(key, None)
+    return record
+
+
+def dflash(flow: Workflow, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dflash", *args],
+        capture_output=True,
+        text=True,
+        env=flow.env(),
+        cwd=flow.workdir,
+    )
+
+
+def test_two_full_runs_give_identical_records_but_for_the_volatile_fields(run_a, run_b):
+    a, b = record(run_a), record(run_b)
+    assert without(a, VOLATILE) == without(b, VOLATILE)
+    # what the record must hold, and what must match between the runs
+    assert (
+        a["artefacts"]["drafter/model.safetensors"] == b["artefacts"]["drafter/model.safetensors"]
+    )
+    assert {"dflash/train/loop.py", "workflow/Snakefile"} <= set(a["code"]["files"])
+    assert a["environment"]["torch"].startswith("2.")
+    assert a["topology"] == {
+        **a["config"]["train"]["topology"],
+        "world": 2,
+        "nnodes": 1,
+        "device": "auto",
+    }
+    assert a["data"]["rows"] > 0 and a["train"]["result"]["steps"] > 0
+    assert a["eval"]["quality"]["lossless"] == 1.0
+    assert {"train", "eval_acceptance", "tokenize_train"} <= set(a["stages"])
+    # every artefact under results/ is recorded: nothing a rule writes escapes the record
+    assert dflash(run_a, "verify", "results").returncode == 0
+
+
+# one artefact of each kind the workflow writes
+FLIPPED = [
+    "data/expanded/train.parquet",
+    "data/tokenized/train.parquet",
+    "data/stats/stats.json",
+    "data/stats/stats.png",
+    "target/hf/model.safetensors",
+    "target/hf/tokenizer.json",
+    "drafter/model.safetensors",
+    "drafter/config.json",
+    "train/metrics.jsonl",
+    "eval/acceptance.json",
+    "report/acceptance.png",
+    "summary.md",
+    "manifests/train.json",
+]
+
+
+@pytest.mark.parametrize("rel", FLIPPED)
+def test_verify_catches_a_flipped_byte(run_a, rel):
+    path = run_a.results / rel
+    original = path.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01
+    try:
+        path.write_bytes(bytes(flipped))
+        done = dflash(run_a, "verify", "results")
+        assert done.returncode == 1
+        assert f"changed  results/{rel}" in done.stdout
+        assert "1 changed of" in done.stderr
+    finally:
+        path.write_bytes(original)
+    assert dflash(run_a, "verify", "results").returncode == 0
+
+
+def test_verify_reports_missing_and_unrecorded_files_and_the_workflow_target_fails(run_a):
+    drafter = run_a.results / "drafter" / "config.json"
+    moved = drafter.with_name("config.json.bak")
+    drafter.rename(moved)
+    try:
+        done = dflash(run_a, "verify")
+        assert done.returncode == 1
+        assert "missing  results/drafter/config.json" in done.stdout
+        assert "extra    results/drafter/config.json.bak" in done.stdout
+        flow = run_a.run("verify", check=False)
+        assert flow.returncode != 0 and "1 missing" in flow.stdout + flow.stderr
+    finally:
+        moved.rename(drafter)
+    assert run_a.run("verify").returncode == 0
+
+
+def injected(b: dict, edit) -> dict:
+    b = copy.deepcopy(b)
+    edit(b)
+    b["_name"] = "B (injected)"
+    return b
+
+
+def assert_first_cause(a: dict, b: dict, kind: str, text: str) -> dict:
+    result = compare(a, b)
+    assert result["causes"], result
+    first = result["causes"][0]
+    assert first["kind"] == kind, result["causes"]
+    assert text in first["summary"], first
+    return result
+
+
+def test_compare_identical_runs_finds_no_cause(run_a, run_b):
+    result = compare(load_run(run_a.results), load_run(run_b.results))
+    assert result["causes"] == []
+    assert result["artefacts"]["only_a"] == result["artefacts"]["only_b"] == []
+
+
+def test_compare_names_an_edited_package_module_first(run_a, run_b, tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    loop = repo / "dflash" / "train" / "loop.py"
+    loop.write_text(loop.read_text() + "\n# a local experiment\n")
+    edited = Workflow(repo, run_a.workdir)
+    a = record(run_a)
+    outputs = [f"results/{rel}" for rel in a["artefacts"]]
+    done = dflash(
+        edited,
+        "record",
+        "--config",
+        json.dumps(a["config"]),
+        "--results",
+        "results",
+        "--workflow-dir",
+        str(repo / "workflow"),
+        "--output",
+        str(tmp_path / "MANIFEST.json"),
+        *outputs,
+    )
+    assert done.returncode == 0, done.stderr
+    b = load_run(tmp_path / "MANIFEST.json")
+    result = assert_first_cause(load_run(run_b.results), b, "code", "dflash/train/loop.py")
+    assert result["causes"][0]["details"] == ["changed dflash/train/loop.py"]
+
+
+def test_compare_names_a_different_torch_first(run_a, run_b):
+    def edit(r):
+        r["environment"]["torch"] = "2.13.0+cu130"
+        r["environment"]["packages"]["torch"] = "2.13.0+cu130"
+
+    a = load_run(run_a.results)
+    assert_first_cause(a, injected(load_run(run_b.results), edit), "environment", "torch")
+
+
+def test_compare_names_a_changed_gamma_first(run_a, run_b):
+    def edit(r):
+        r["config"]["drafter"]["gamma"] = 2.0
+
+    a = load_run(run_a.results)
+    assert_first_cause(a, injected(load_run(run_b.results), edit), "config", "drafter.gamma")
+
+
+def test_compare_names_a_different_drafter_count_first_and_explains_the_throughput(run_a, run_b):
+    def edit(r):
+        r["config"]["train"]["topology"]["drafters"] = 2
+        r["topology"].update(drafters=2, world=3)
+        r["train"]["throughput"]["tokens_per_s"] *= 0.58  # the 20K -> 11.6K story
+
+    a = load_run(run_a.results)
+    result = assert_first_cause(a, injected(load_run(run_b.results), edit), "topology", "drafters")
+    assert result["most_likely"]["effect"] == "throughput"
+    assert result["most_likely"]["cause"] == "topology"
+
+
+def test_compare_names_longer_sequences_first(run_a, run_b, tmp_path):
+    # the same rows, each conversation twice as long: a real stats run on the new data
+    rows = pl.read_parquet(run_a.results / "data/tokenized/train.parquet")
+    longer = rows.with_columns(
+        pl.concat_list("input_ids", "input_ids").alias("input_ids"),
+        pl.concat_list("loss_mask", "loss_mask").alias("loss_mask"),
+        (pl.col("length") * 2).alias("length"),
+        (pl.col("trainable") * 2).alias("trainable"),
+    )
+    longer.write_parquet(tmp_path / "longer.parquet")
+    cfg = {"data": {**record(run_a)["config"]["data"], "max_length": 192}}
+    done = dflash(
+        run_a,
+        "stats",
+        "--config",
+        json.dumps(cfg),
+        "--input",
+        str(tmp_path / "longer.parquet"),
+        "--json",
+        str(tmp_path / "stats.json"),
+        "--plot",
+        str(tmp_path / "stats.png"),
+    )
+    assert done.returncode == 0, done.stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+
+    def edit(r):
+        r["data"] = data_summary(stats)
+
+    a = load_run(run_a.results)
+    result = assert_first_cause(a, injected(load_run(run_b.results), edit), "data", "length")
+    assert "+100.0 %" in " ".join(result["causes"][0]["details"])
+
+
+def test_compare_cli_text_and_json(run_a, run_b, tmp_path):
+    b = record(run_b)
+    b["config"]["drafter"]["gamma"] = 2.0
+    (tmp_path / "MANIFEST.json").write_text(json.dumps(b))
+    text = dflash(run_a, "compare", "results", str(tmp_path))
+    assert text.returncode == 0, text.stderr
+    assert "1. config" in text.stdout and "drafter.gamma: None → 2" in text.stdout
+    as_json = dflash(run_a, "compare", "results", str(tmp_path / "MANIFEST.json"), "--json")
+    assert json.loads(as_json.stdout)["causes"][0]["kind"] == "config"
+    bad = dflash(run_a, "compare", "results", str(Path(run_a.workdir) / "nowhere"))
+    assert bad.returncode == 1 and "neither a MANIFEST.json nor a results folder" in bad.stderr
+
+
+def planned(flow: Workflow, config: str = "tiny.yaml") -> set[str]:
+    return set(flow.planned_jobs("all", config=config)) - {"all"}
+
+
+def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[str]:
+    module = flow.repo / rel
+    original = module.read_text()
+    try:
+        module.write_text(original + "\n# an edit\n")
+        return planned(flow, config)
+    finally:
+        module.write_text(original)
+
+
+DOWNSTREAM_OF_TRAINING = {"train", "eval_acceptance", "eval_ddtree", "report", "record"}
+
+
+def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
+    import yaml
+
+    flow = run_a
+    for path in flow.workdir.rglob("*"):
+        if path.is_file():
+            path.touch()
+    assert planned(flow) == set()  # touch on every input and output reruns nothing
+
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    config["train"] = {"lr": 5.0e-4}
+    (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(config))
+    assert planned(flow, "lr.yaml") == DOWNSTREAM_OF_TRAINING
+
+    data_rules = {"expand_dataset", "regenerate_shard", "regenerate", "tokenize", "length_stats"}
+    after_data = data_rules | {"warmup_compile"} | DOWNSTREAM_OF_TRAINING
+    assert edited_module(flow, "dflash/data/normalize.py") == after_data
+    assert edited_module(flow, "dflash/eval/metrics.py") == {
+        "eval_acceptance",
+        "eval_ddtree",
+        "report",
+        "record",
+    }
+    assert edited_module(flow, "dflash/eval/report.py") >= {"report", "record"}
+    assert edited_module(flow, "dflash/compare.py") == {"record"}
+    assert planned(flow) == set()
+
+
+def test_compare_reads_a_results_folder_without_a_record(run_a, run_b):
+    """After `snakemake train` there is no MANIFEST.json yet; the stage manifests stand in."""
+    manifest = run_b.results / "MANIFEST.json"
+    manifest.rename(manifest.with_suffix(".bak"))
+    try:
+        b = load_run(run_b.results)
+        assert "no MANIFEST.json" in b["_name"]
+        assert b["environment"]["torch"] and "dflash/train/loop.py" in b["code"]["files"]
+        assert compare(load_run(run_a.results), b)["causes"] == []
+    finally:
+        manifest.with_suffix(".bak").rename(manifest)
+
+
+def test_the_html_report_carries_the_run_record(run_a):
+    run_a.run("--report", "report.html")
+    html = (run_a.workdir / "report.html").read_text()
+    assert "MANIFEST.json" in html and "Run record" in html
