@@ -55,7 +55,7 @@ def main() -> None:
     cmd += ["--metrics", str(work / "m.jsonl"), "--summary", str(work / "s.json")]
     cmd += ["--checkpoints", str(work / "ckpt")]
     run = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    while not (work / "ckpt/step-00000002").exists():
+    while not list(work.glob("ckpt/run-*/step-00000002")):
         if run.poll() is not None:
             sys.exit(run.stderr.read()[-3000:])
         time.sleep(0.05)

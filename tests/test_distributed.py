@@ -73,6 +73,12 @@ def finish(run) -> str:
     return err
 
 
+def run_dir(out: Path) -> Path:
+    """The one run folder under the checkpoints (named by the run's contract)."""
+    (folder,) = (out / "ckpt").glob("run-*")
+    return folder
+
+
 def weights(out: Path) -> str:
     return sha256_file(out / "drafter/model.safetensors")
 
@@ -101,7 +107,7 @@ def test_every_rank_handles_exactly_its_routed_batches(runs, data, topo):
     lengths = pl.read_parquet(data)["length"].to_list()
     bounds = bucket_bounds(DATA["buckets"], DATA["max_length"])
     for rank in range(topology.world):
-        events = [json.loads(x) for x in (out / f"ckpt/telemetry/rank{rank}.jsonl").open()]
+        events = [json.loads(x) for x in (run_dir(out) / f"telemetry/rank{rank}.jsonl").open()]
         for epoch in range(2):
             n = len(plan_epoch(lengths, bounds, DATA["token_budget"], 2, 0, epoch))
             got = [e for e in events if e["epoch"] == epoch]
@@ -144,11 +150,12 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
     assert colocated["bottleneck"] == "colocated"
 
 
-def wait_for(path: Path, run, seconds: float = 300) -> None:
+def wait_for(out: Path, step: int, run, seconds: float = 300) -> None:
+    """Until a checkpoint of `step` exists in some run folder under out/ckpt."""
     deadline = time.time() + seconds
-    while not path.exists():
+    while not list(out.glob(f"ckpt/run-*/step-{step:08d}")):
         assert run.poll() is None, run.stderr.read()[-3000:]
-        assert time.time() < deadline, f"{path} never appeared"
+        assert time.time() < deadline, f"checkpoint {step} never appeared"
         time.sleep(0.05)
 
 
@@ -156,7 +163,7 @@ def test_sigkill_then_rerun_gives_identical_weights(runs, data, target_dir, tmp_
     expected = steps(runs[(1, 1)])
     kill_at = random.randint(2, len(expected) - 2)
     run = launch(config(1, 1), data, target_dir, tmp_path)
-    wait_for(tmp_path / f"ckpt/step-{kill_at:08d}", run)
+    wait_for(tmp_path, kill_at, run)
     os.killpg(run.pid, signal.SIGKILL)
     run.wait()
     assert not (tmp_path / "drafter").exists()
@@ -168,32 +175,39 @@ def test_sigkill_then_rerun_gives_identical_weights(runs, data, target_dir, tmp_
 def test_corrupt_newest_checkpoint_falls_back_and_other_target_counts_resume(
     runs, data, target_dir, tmp_path
 ):
-    source = runs[(1, 1)] / "ckpt"
+    source = run_dir(runs[(1, 1)])
     newest = sorted(source.glob("step-*"))[-1]
     last = int(newest.name.split("-")[1])
     keep = [p for p in sorted(source.glob("step-*")) if int(p.name.split("-")[1]) <= last - 3]
-    # Resume from the middle of the run, with 2 target ranks instead of 1.
-    (tmp_path / "ckpt").mkdir()
+    # Resume from the middle of the run, with 2 target ranks instead of 1: the same run folder,
+    # because the contract does not name the target count.
+    run = tmp_path / "ckpt" / source.name
+    run.mkdir(parents=True)
     for folder in keep[-2:]:
-        subprocess.run(["cp", "-r", str(folder), str(tmp_path / "ckpt")], check=True)
-    state = tmp_path / "ckpt" / keep[-1].name / "state.pt"
+        subprocess.run(["cp", "-r", str(folder), str(run)], check=True)
+    state = run / keep[-1].name / "state.pt"
     blob = bytearray(state.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     state.write_bytes(bytes(blob))
     err = finish(launch(config(2, 1), data, target_dir, tmp_path))
-    assert f"checkpoint {tmp_path / 'ckpt' / keep[-1].name} is corrupt" in err
-    assert f"resumed from {tmp_path / 'ckpt' / keep[-2].name}" in err
+    assert f"checkpoint {run / keep[-1].name} is corrupt" in err
+    assert f"resumed from {run / keep[-2].name}" in err
     assert weights(tmp_path) == weights(runs[(1, 1)])
 
 
-def test_resume_refuses_a_changed_run(runs, data, target_dir, tmp_path):
+def test_a_changed_run_starts_afresh_beside_the_old_one(runs, data, target_dir, tmp_path):
+    """A config change (here gamma) must neither resume the old run nor touch its checkpoints."""
     subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
+    old = run_dir(tmp_path)
+    before = {p: sha256_file(p) for p in old.rglob("*") if p.is_file()}
     changed = config(1, 1)
     changed["drafter"]["gamma"] = 2.0
-    run = launch(changed, data, target_dir, tmp_path)
-    err = run.communicate(timeout=300)[1]
-    assert run.returncode != 0
-    assert "gamma: checkpoint 4.0 != now 2.0" in err
+    err = finish(launch(changed, data, target_dir, tmp_path))
+    assert "new run: checkpoints in" in err and "gamma: checkpoint 4.0 != now 2.0" in err
+    assert "resumed from" not in err
+    assert {p: sha256_file(p) for p in old.rglob("*") if p.is_file()} == before
+    assert len(list((tmp_path / "ckpt").glob("run-*"))) == 2
+    assert weights(tmp_path) != weights(runs[(1, 1)])
 
 
 def worker(run, rank: int) -> int:
@@ -212,7 +226,7 @@ def worker(run, rank: int) -> int:
 
 def test_killing_one_rank_fails_the_whole_run_fast(data, target_dir, tmp_path):
     run = launch(config(1, 2, timeout_s=10), data, target_dir, tmp_path)
-    wait_for(tmp_path / "ckpt/step-00000002", run)
+    wait_for(tmp_path, 2, run)
     os.kill(worker(run, 2), signal.SIGKILL)  # the target
     started = time.time()
     err = run.communicate(timeout=120)[1]
@@ -223,7 +237,7 @@ def test_killing_one_rank_fails_the_whole_run_fast(data, target_dir, tmp_path):
 
 def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_path):
     run = launch(config(1, 1, timeout_s=5), data, target_dir, tmp_path)
-    wait_for(tmp_path / "ckpt/step-00000002", run)
+    wait_for(tmp_path, 2, run)
     target = worker(run, 1)
     os.kill(target, signal.SIGSTOP)  # alive but silent
     started = time.time()
@@ -238,16 +252,34 @@ def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_
     assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
 
 
-def test_resume_refuses_checkpoints_of_other_training_code(runs, data, target_dir, tmp_path):
-    """A rerun after a code change must not resume (or re-export) the old run's checkpoint."""
+def test_checkpoints_of_other_training_code_are_never_resumed(runs, data, target_dir, tmp_path):
+    """After a code change the rerun trains afresh (to the same weights as a fresh run) instead of
+    resuming, or re-exporting, the old run's checkpoints."""
     subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
-    for folder in (tmp_path / "ckpt").glob("step-*"):
+    old = run_dir(tmp_path)
+    other = old.with_name("run-000000000000")  # as other code names its run
+    old.rename(other)
+    for folder in other.glob("step-*"):
         meta = json.loads((folder / "meta.json").read_text())
-        meta["contract"]["code"] = "0" * 64  # as written by other code
+        meta["contract"]["code"] = "0" * 64
+        (folder / "meta.json").write_text(json.dumps(meta))
+        sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
+        (folder / "SHA256SUMS").write_text(sums)
+    err = finish(launch(config(1, 1), data, target_dir, tmp_path))
+    assert "code: checkpoint '0000000000000000" in err and "resumed from" not in err
+    assert steps(tmp_path) == steps(runs[(1, 1)])
+    assert weights(tmp_path) == weights(runs[(1, 1)])
+
+
+def test_a_hand_edited_contract_is_refused(runs, data, target_dir, tmp_path):
+    subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
+    for folder in run_dir(tmp_path).glob("step-*"):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["contract"]["seed"] = 7
         (folder / "meta.json").write_text(json.dumps(meta))
         sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
         (folder / "SHA256SUMS").write_text(sums)
     run = launch(config(1, 1), data, target_dir, tmp_path)
     err = run.communicate(timeout=300)[1]
     assert run.returncode != 0
-    assert "code: checkpoint '0000000000000000" in err and "move the checkpoint folder away" in err
+    assert "seed: checkpoint 7 != now 0" in err and "move the checkpoint folder away" in err

@@ -1,6 +1,7 @@
 """Resumable checkpoints: atomic, sha256-verified, the last K kept, corrupt ones skipped.
 
-Layout: `<root>/step-00001200/{state.pt, meta.json, SHA256SUMS}`. A checkpoint is written into a
+Layout: `<run folder>/step-00001200/{state.pt, meta.json, SHA256SUMS}` (the training loop names
+run folders by their contract, see `dflash.train.loop.run_folder`). A checkpoint is written into a
 temporary sibling folder and renamed into place, so a crash mid-write never leaves a folder that
 looks complete. `meta.json` carries a resume contract (model shape, block size, gamma, anchors,
 data sha256, topology...): resuming under a different contract is refused with the keys that
@@ -80,16 +81,19 @@ def load_state(folder: Path, map_location="cpu") -> dict:
     return torch.load(folder / "state.pt", map_location=map_location, weights_only=False)
 
 
-def check_contract(saved: dict, current: dict, where: Path) -> None:
-    """Refuse to resume if anything the run's meaning depends on changed."""
-    diffs = {
-        k: (saved.get(k), current.get(k))
+def contract_diff(saved: dict, current: dict) -> list[str]:
+    return [
+        f"  {k}: checkpoint {saved.get(k)!r} != now {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
         if saved.get(k) != current.get(k)
-    }
-    if diffs:
-        lines = "\n".join(f"  {k}: checkpoint {a!r} != now {b!r}" for k, (a, b) in diffs.items())
+    ]
+
+
+def check_contract(saved: dict, current: dict, where: Path) -> None:
+    """Refuse to resume if anything the run's meaning depends on changed (a run's folder is named
+    by its contract, so this catches a folder edited or copied by hand)."""
+    if lines := contract_diff(saved, current):
         raise ContractError(
-            f"cannot resume from {where}: the run changed\n{lines}\n"
+            f"cannot resume from {where}: the run changed\n" + "\n".join(lines) + "\n"
             "move the checkpoint folder away to start afresh"
         )

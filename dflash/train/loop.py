@@ -30,14 +30,20 @@ import torch.distributed as dist
 
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.errors import UserError
-from dflash.io import atomic_path, sha256_file, write_json
+from dflash.io import atomic_path, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, write_manifest
 from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, resolve_attention
 from dflash.model.target import TargetFeatures, load_embeddings, load_target
 from dflash.train import comm
-from dflash.train.checkpoint import check_contract, latest_valid, load_state, save_checkpoint
+from dflash.train.checkpoint import (
+    check_contract,
+    contract_diff,
+    latest_valid,
+    load_state,
+    save_checkpoint,
+)
 from dflash.train.telemetry import Window, step_record, summarize, sync
 from dflash.train.topology import Topology
 
@@ -173,18 +179,30 @@ class Trace:
         self.file.flush()
 
 
+def run_folder(checkpoints: Path, contract: dict) -> Path:
+    """Each run's checkpoints live in a folder named by its resume contract: a changed config,
+    drafter count or training code starts a new run beside the old one (which stays intact),
+    while a crashed run finds its own folder again."""
+    return checkpoints / f"run-{sha256_json(contract)[:12]}"
+
+
 def resume_point(ctx: comm.Dist, checkpoints: Path, contract: dict | None) -> dict:
-    """Rank 0 picks the newest valid checkpoint and checks its contract; everyone learns it."""
-    point = {"step": 0, "epoch": 0, "position": 0, "folder": None}
+    """Rank 0 (a drafter, the only rank that knows the contract) picks this run's folder and its
+    newest valid checkpoint; everyone learns both."""
+    point = {"step": 0, "epoch": 0, "position": 0, "folder": None, "run": None}
     if ctx.rank == 0:
+        contract = json.loads(json.dumps(contract))  # as it reads back from meta.json
+        run = run_folder(checkpoints, contract)
+        point["run"] = str(run)
         try:
-            found = latest_valid(checkpoints)
+            found = latest_valid(run)
             if found is not None:
                 folder, meta = found
-                check_contract(meta["contract"], json.loads(json.dumps(contract)), folder)
-                point = {k: meta[k] for k in ("step", "epoch", "position")} | {
-                    "folder": str(folder)
-                }
+                check_contract(meta["contract"], contract, folder)
+                point |= {k: meta[k] for k in ("step", "epoch", "position")}
+                point["folder"] = str(folder)
+            else:
+                _log_new_run(checkpoints, run, contract)
         except UserError as e:
             point = {"error": str(e)}
     point = ctx.broadcast(point)
@@ -193,13 +211,31 @@ def resume_point(ctx: comm.Dist, checkpoints: Path, contract: dict | None) -> di
     return point
 
 
+def _log_new_run(checkpoints: Path, run: Path, contract: dict) -> None:
+    others = sorted(
+        (p for p in checkpoints.glob("run-*") if p != run and latest_valid(p)),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not others:
+        log.info("new run: checkpoints in %s", run)
+        return
+    _, meta = latest_valid(others[-1])
+    log.info(
+        "new run: checkpoints in %s; %d other run(s) kept in %s, the latest differs in:\n%s",
+        run,
+        len(others),
+        checkpoints,
+        "\n".join(contract_diff(meta["contract"], contract)),
+    )
+
+
 def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpoints: Path):
     """A target rank: compute features for its batches and send them, `queue_depth` ahead."""
     dcfg = drafter_config(config, target_dir)
     model = FeatureModel(target_dir, dcfg.target_layer_ids, ctx.device, config)
     start = resume_point(ctx, checkpoints, None)
     sender = comm.FeatureSender(ctx, config["train"]["queue_depth"])
-    trace = Trace(checkpoints / "telemetry", ctx.rank)
+    trace = Trace(Path(start["run"]) / "telemetry", ctx.rank)
     topo = ctx.topology
     for epoch in range(start["epoch"], config["train"]["epochs"]):
         plan = batches.plan(epoch)
@@ -294,6 +330,7 @@ class Trainer:
 
     def resume(self) -> None:
         point = resume_point(self.ctx, self.checkpoints, self.contract)
+        self.run = Path(point["run"])
         if point["folder"] is None:
             return
         state = load_state(Path(point["folder"]))
@@ -311,6 +348,10 @@ class Trainer:
             self.position,
         )
 
+    @property
+    def live_metrics(self) -> Path:
+        return self.run / "metrics.live.jsonl"
+
     def checkpoint(self) -> None:
         rng = self.ctx.drafter_gather(torch.get_rng_state())  # collective: every drafter
         if self.ctx.rank != 0:
@@ -323,7 +364,7 @@ class Trainer:
         }
         meta = {"epoch": self.epoch, "position": self.position, "contract": self.contract}
         keep = self.config["train"]["keep_checkpoints"]
-        save_checkpoint(self.checkpoints, self.step, state, meta, keep)
+        save_checkpoint(self.run, self.step, state, meta, keep)
 
     def features(self, plan, mine: list[int]):
         """(batch, tensors, features, phase times, link stats) for this rank's batches."""
@@ -367,10 +408,13 @@ class Trainer:
             time.perf_counter() - started,
         )
 
-    def fit(self, live: Path, trace: Trace) -> None:
+    def fit(self) -> Path:
+        """Train to the end (resuming if this run has checkpoints); returns the run folder."""
         t = self.config["train"]
         accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
         self.resume()
+        live = self.live_metrics
+        trace = Trace(self.run / "telemetry", self.ctx.rank)
         if self.config["compile"]["enabled"]:
             self.compile_shapes()
         if self.ctx.rank == 0:
@@ -511,10 +555,10 @@ def _run(ctx: comm.Dist, args) -> None:
         serve_features(ctx, config, args.target, batches, args.checkpoints)
         return
     trainer = Trainer(ctx, config, args.target, batches, args.checkpoints)
-    live = args.checkpoints / "metrics.live.jsonl"
-    trainer.fit(live, Trace(args.checkpoints / "telemetry", ctx.rank))
+    trainer.fit()
     if ctx.rank != 0:
         return
+    live = trainer.live_metrics
     save_drafter(trainer.drafter, args.out)
     lines = live.read_text().splitlines()
     records = [json.loads(line) for line in lines]
