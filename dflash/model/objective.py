@@ -15,6 +15,7 @@ has no backward).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -155,11 +156,10 @@ def _chunk_ce(hidden, head_weight, labels, weights):
     return (ce * weights).sum(), correct
 
 
-def chunked_lm_loss(hidden, head_weight, labels, weights, chunk_tokens: int = 4096):
-    """sum(weights * CE(hidden @ head.T, labels)) and per-token correctness.
+def checkpointed_lm_loss(hidden, head_weight, labels, weights, chunk_tokens: int = 4096):
+    """The previous CE: each chunk checkpointed, its logits recomputed in the backward pass.
 
-    Logits exist for one chunk at a time: each chunk is checkpointed, so its logits are freed
-    after the forward and recomputed in the backward. hidden: (T, H), labels/weights: (T,).
+    Kept as the side-by-side reference for `chunked_lm_loss` (bench/gpu.py).
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
@@ -174,6 +174,95 @@ def chunked_lm_loss(hidden, head_weight, labels, weights, chunk_tokens: int = 40
         total = total + loss
         correct.append(ok)
     return total, torch.cat(correct)
+
+
+def _ce_chunk(logits, labels, weights, want_grad: bool):
+    """(weighted CE sum, correctness, d sum / d logits in the logits' dtype or None) of one chunk
+    of logits; the softmax in fp32. Written for torch.compile (one reduction, one pointwise
+    kernel); `_ce_chunk_eager` is the same function with in-place ops for eager mode."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    total = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
+    correct = x.argmax(-1) == labels
+    if not want_grad:
+        return total, correct, None
+    # d/dlogits of sum(w * (lse - logit_y)) = w * (softmax - onehot(y))
+    onehot = torch.arange(x.shape[1], device=x.device)[None] == labels[:, None]
+    g = (torch.exp(x - lse[:, None]) - onehot.float()) * weights[:, None]
+    return total, correct, g.to(logits.dtype)
+
+
+def _ce_chunk_eager(logits, labels, weights, want_grad: bool):
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    total = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
+    correct = x.argmax(-1) == labels
+    if not want_grad:
+        return total, correct, None
+    g = x.sub_(lse[:, None]).exp_()  # softmax, in place
+    g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
+    return total, correct, g.mul_(weights[:, None]).to(logits.dtype)
+
+
+# Compiled: ~3 passes over a chunk's bf16 logits instead of ~10 eager passes over fp32 ones
+# (bench/gpu.py measures both). Compiled lazily, on first use.
+_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
+
+
+def _fused_ce(hidden, head_weight, labels, weights, chunk_tokens, want_grad, compiled):
+    """(sum of weighted CE, correctness, d total / d hidden or None), one chunk of logits at a
+    time. Matmuls run in the head's dtype."""
+    ce_chunk = _ce_chunk_compiled if compiled else _ce_chunk_eager
+    n = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden) if want_grad else None
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+    for start in range(0, n, chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        logits = hidden[sl].to(head_weight.dtype) @ head_weight.t()
+        loss, correct[sl], g = ce_chunk(logits, labels[sl], weights[sl].float(), want_grad)
+        total = total + loss
+        if want_grad:
+            grad_hidden[sl] = g @ head_weight
+    return total, correct, grad_hidden
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """The hidden-state gradient is computed in the forward pass and only scaled in the backward
+    pass. The head is frozen: it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, chunk_tokens, compiled):
+        total, correct, grad_hidden = _fused_ce(
+            hidden, head_weight, labels, weights, chunk_tokens, True, compiled
+        )
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+
+
+def chunked_lm_loss(
+    hidden, head_weight, labels, weights, chunk_tokens: int = 1024, compiled: bool = False
+):
+    """sum(weights * CE(hidden @ head.T, labels)) and per-token correctness.
+
+    Logits exist for one chunk at a time. With gradients, each chunk's hidden-state gradient is
+    computed in the forward pass (`_FusedLinearCE`), so the backward pass only scales it: two
+    head matmuls per chunk instead of the three of a checkpointed chunk, and no full logits.
+    hidden: (T, H), labels/weights: (T,). The head gets no gradient (it is frozen). `compiled`
+    fuses each chunk's softmax and gradient into two kernels (torch.compile).
+    """
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _FusedLinearCE.apply(hidden, head_weight, labels, weights, chunk_tokens, compiled)
+    total, correct, _ = _fused_ce(
+        hidden, head_weight, labels, weights, chunk_tokens, False, compiled
+    )
+    return total, correct
 
 
 def block_metrics(correct: torch.Tensor, blocks: Blocks) -> dict:
@@ -207,10 +296,17 @@ def dflash_loss(
     max_anchors: int,
     gamma: float | None = None,
     backend: str = "sdpa",
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = 1024,
     compiled_flex: bool = False,
+    compiled_ce: bool = False,
+    lm_loss=None,
 ):
-    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H)."""
+    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H).
+
+    `lm_loss(hidden, head_weight, labels, weights, chunk_tokens)` -> (weighted CE sum,
+    correctness), default `chunked_lm_loss` (compiled if `compiled_ce`); bench/gpu.py swaps in
+    its references (full logits, checkpointed chunks).
+    """
     cfg = drafter.config
     bs = cfg.block_size
     gamma = gamma or default_gamma(bs)
@@ -233,7 +329,9 @@ def dflash_loss(
         block_embeds.to(features.dtype), features, blocks.positions, ctx_positions, attend
     )
     weights = blocks.weights.view(-1)
-    total, correct = chunked_lm_loss(
+    if lm_loss is None:
+        lm_loss = functools.partial(chunked_lm_loss, compiled=compiled_ce)
+    total, correct = lm_loss(
         hidden.reshape(-1, hidden.shape[-1]),
         head_weight,
         blocks.labels.view(-1),

@@ -67,4 +67,5 @@ class TrainStep:
                 self.gamma,
                 backend=self.attention,
                 compiled_flex=self.compile and self.attention == "flex",
+                compiled_ce=self.compile and device == "cuda",
             )

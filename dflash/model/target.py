@@ -31,6 +31,11 @@ def _decoder(model: nn.Module) -> nn.Module:
     return base
 
 
+def right_padded(mask: torch.Tensor) -> bool:
+    """Every row is ones, then zeros."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
 class TargetFeatures(nn.Module):
     """Concatenated hidden states of `layer_ids` for a batch, from a truncated frozen target."""
 
@@ -62,6 +67,15 @@ class TargetFeatures(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """Features of every position; those of padding positions are unspecified.
+
+        A right-padded mask is dropped: under causal attention a real token never sees a later
+        (padding) position, so its features are the same, and without a mask the attention can
+        use the fused causal kernel instead of a materialised 4-D mask (bench/gpu.py measures
+        both).
+        """
+        if attention_mask is not None and right_padded(attention_mask):
+            attention_mask = None
         self._captured.clear()
         self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
