@@ -40,13 +40,17 @@ def synthetic_target(config_dir: Path, out: Path) -> int:
     return cfg.vocab_size
 
 
-def synthetic_rows(path: Path, rows: int, length: int, vocab: int, seed: int = 0) -> None:
-    """Rows of `length/2..length` tokens; the last 3/4 of each is trainable (the reply)."""
+def synthetic_rows(
+    path: Path, rows: int, length: int, vocab: int, seed: int = 0, min_length: int | None = None
+) -> None:
+    """Rows of `min_length..length` tokens (default `length/2+1..length`), uniform; the last 3/4
+    of each is trainable (the reply)."""
     import polars as pl
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(length // 2 + 1, length + 1, (rows,), generator=g).tolist()
+    low = min_length if min_length is not None else length // 2 + 1
+    lengths = torch.randint(low, length + 1, (rows,), generator=g).tolist()
     ids, masks = [], []
     for n in lengths:
         ids.append(torch.randint(4, vocab, (n,), generator=g).tolist())
@@ -76,6 +80,8 @@ def run_topology(args, config: dict, targets: int, drafters: int, work: Path) ->
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     started = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "stderr.log").write_text(done.stderr)
     if done.returncode:
         sys.exit(f"{targets}+{drafters} failed:\n{done.stderr[-4000:]}")
     summary = json.loads((out / "summary.json").read_text())
