@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,8 +75,10 @@ def run_topology(args, config: dict, targets: int, drafters: int, work: Path) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={world}", "-m", "dflash", "train", "--config", json.dumps(config)]
     cmd += ["--target", str(args.target), "--data", str(args.data)]
-    cmd += ["--out", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]
-    cmd += ["--summary", str(out / "summary.json"), "--checkpoints", str(out / "ckpt")]
+    cmd += ["--out", str(out / "drafter"), "--metrics", str(out / "train/metrics.jsonl")]
+    cmd += ["--summary", str(out / "train/summary.json"), "--checkpoints", str(out / "ckpt")]
+    # a stage manifest makes `out` a results folder that `dflash compare` reads
+    cmd += ["--manifest", str(out / "manifests/train.json")]
     threads = max(1, (os.cpu_count() or 1) // world)
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}
     started = time.perf_counter()
@@ -84,8 +87,8 @@ def run_topology(args, config: dict, targets: int, drafters: int, work: Path) ->
     (out / "stderr.log").write_text(done.stderr)
     if done.returncode:
         sys.exit(f"{targets}+{drafters} failed:\n{done.stderr[-4000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    records = [json.loads(x) for x in (out / "metrics.jsonl").open()]
+    summary = json.loads((out / "train/summary.json").read_text())
+    records = [json.loads(x) for x in (out / "train/metrics.jsonl").open()]
     steady = records[1:] or records
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     summary["processes"] = world
@@ -132,6 +135,11 @@ def main() -> None:
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--topologies", default="1+1,0+1")
     p.add_argument("--out", type=Path, help="JSON results")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        help="copy each topology's results folder here (for `dflash compare A B`)",
+    )
     args = p.parse_args()
 
     repo = Path(__file__).resolve().parents[1]
@@ -149,7 +157,7 @@ def main() -> None:
         synthetic_rows(args.data, args.rows, args.length, vocab)
         config["target"]["mask_token_id"] = vocab - 1
         config["data"] |= {"buckets": [args.length], "max_length": args.length}
-    config["train"] |= {"checkpoint_every": 10**9, "keep_checkpoints": 1}
+    config["train"] = config.get("train", {}) | {"checkpoint_every": 10**9, "keep_checkpoints": 1}
     config = validate(config, "bench config")
 
     results = {}
@@ -157,6 +165,8 @@ def main() -> None:
         targets, drafters = map(int, spec.split("+"))
         results[spec] = run_topology(args, config, targets, drafters, work)
         print(f"{spec}: {results[spec]['verdict']}", flush=True)
+        if args.keep:
+            shutil.copytree(work / spec, args.keep / spec, ignore=shutil.ignore_patterns("ckpt"))
     print(table(results))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

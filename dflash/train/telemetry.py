@@ -27,9 +27,11 @@ PHASES = ("wait", "features", "forward", "backward", "optimizer")
 
 
 def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so a host clock measures it."""
+    """Wait for the compute stream's queued work, so a host clock measures it. Not the whole
+    device: that would also wait for a posted NCCL receive, forever if its peer froze, before
+    the receive's own timeout could fire."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def peak_memory_gb(device: torch.device) -> float:
