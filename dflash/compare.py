@@ -361,23 +361,25 @@ def compare(a: dict, b: dict) -> dict:
         for e in effs
         if e["metric"] in NOISE and abs(e["change_pct"] or 0) / 100 >= NOISE[e["metric"]]
     ]
-    # Explain the largest real effect; with none, rank for throughput (what people chase).
-    main = max(real, key=lambda e: abs(e["change_pct"]) / 100 / NOISE[e["metric"]], default=None)
-    ranked = causes(a, b, main["metric"] if main else "throughput")
-    verdict = None
-    if main:
-        top = ranked[0] if ranked else None
-        verdict = {
-            "effect": main["metric"],
-            "change_pct": main["change_pct"],
-            "cause": top["kind"] if top else None,
-            "summary": top["summary"]
-            if top
-            else "no recorded cause: run-to-run noise, or "
-            "something the record cannot see (other jobs on the machine, thermal throttling, "
-            "a different filesystem)",
-            "evidence": main["evidence"],
-        }
+    # Explain each real effect, largest first; rank the cause list for the largest one (with
+    # none, for throughput: what people chase).
+    real.sort(key=lambda e: -abs(e["change_pct"]) / 100 / NOISE[e["metric"]])
+    explanations = []
+    for effect in real:
+        top = next(iter(causes(a, b, effect["metric"])), None)
+        explanations.append(
+            {
+                "effect": effect["metric"],
+                "change_pct": effect["change_pct"],
+                "cause": top["kind"] if top else None,
+                "summary": top["summary"]
+                if top
+                else "no recorded cause: run-to-run noise, or something the record cannot see "
+                "(other jobs on the machine, thermal throttling, a different filesystem)",
+                "evidence": effect["evidence"],
+            }
+        )
+    ranked = causes(a, b, real[0]["metric"] if real else "throughput")
     fa, fb = a.get("artefacts") or {}, b.get("artefacts") or {}
     if not (fa and fb):  # a partial record has none: nothing to compare file by file
         fa = fb = {}
@@ -388,7 +390,7 @@ def compare(a: dict, b: dict) -> dict:
         "b": b.get("_name"),
         "effects": effs,
         "causes": ranked,
-        "most_likely": verdict,
+        "most_likely": explanations,
         "artefacts": {
             "differ": [k for k in differ if k not in timed],
             "differ_timed": [k for k in differ if k in timed],
@@ -422,17 +424,16 @@ def render(result: dict) -> str:
             " hold timings",
         ]
         lines += [f"  {p}" for p in art["differ"][:12]]
-    verdict = result["most_likely"]
     lines.append("")
-    if verdict:
-        cause = verdict["cause"] or "unknown"
+    for verdict in result["most_likely"]:
+        name = {"tau": "τ"}.get(verdict["effect"], verdict["effect"])
         lines.append(
-            f"Most likely cause of the {verdict['effect']} change ({verdict['change_pct']:+.1f} %):"
-            f" {cause}: {verdict['summary']}"
+            f"Most likely cause of the {name} change ({verdict['change_pct']:+.1f} %):"
+            f" {verdict['cause'] or 'unknown'}: {verdict['summary']}"
         )
         if verdict["evidence"]:
             lines.append("  Evidence: " + "; ".join(verdict["evidence"]))
-    else:
+    if not result["most_likely"]:
         lines.append("No throughput or τ change beyond run-to-run noise.")
     return "\n".join(lines) + "\n"
 

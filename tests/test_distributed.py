@@ -281,5 +281,5 @@ def test_a_hand_edited_contract_is_refused(runs, data, target_dir, tmp_path):
         (folder / "SHA256SUMS").write_text(sums)
     run = launch(config(1, 1), data, target_dir, tmp_path)
     err = run.communicate(timeout=300)[1]
-    assert run.returncode != 0
+    assert run.returncode != 0, err[-3000:]
     assert "seed: checkpoint 7 != now 0" in err and "move the checkpoint folder away" in err
