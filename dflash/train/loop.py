@@ -30,13 +30,13 @@ import torch.distributed as dist
 
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.errors import UserError
-from dflash.io import atomic_path, sha256_file, sha256_json, write_json
+from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, write_manifest
 from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, resolve_attention
 from dflash.model.target import TargetFeatures, load_embeddings, load_target
-from dflash.train import comm
+from dflash.train import TRAINING_CODE, comm
 from dflash.train.checkpoint import (
     check_contract,
     contract_diff,
@@ -48,22 +48,6 @@ from dflash.train.telemetry import Window, step_record, summarize, sync
 from dflash.train.topology import Topology
 
 log = logging.getLogger(__name__)
-
-# What training runs (this module and all it imports): the train rule's code param and part of
-# the resume contract.
-TRAINING_CODE = ("dflash.train.loop",)
-# The config keys training reads: the train rule passes exactly these (its rerun trigger).
-TRAINING_CONFIG = (
-    "seed",
-    "target.mask_token_id",
-    "drafter",
-    "compile",
-    "train",
-    "data.buckets",
-    "data.max_length",
-    "data.token_budget",
-    "data.max_batch_size",
-)
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):
@@ -212,20 +196,23 @@ def resume_point(ctx: comm.Dist, checkpoints: Path, contract: dict | None) -> di
 
 
 def _log_new_run(checkpoints: Path, run: Path, contract: dict) -> None:
-    others = sorted(
-        (p for p in checkpoints.glob("run-*") if p != run and latest_valid(p)),
-        key=lambda p: p.stat().st_mtime,
-    )
-    if not others:
+    """Say which earlier run this one differs from (a log line only: never fails the run, and
+    reads one meta.json instead of re-hashing old checkpoints)."""
+    metas = sorted(checkpoints.glob("run-*/step-*/meta.json"), key=lambda p: p.stat().st_mtime)
+    metas = [m for m in metas if m.parents[1] != run]
+    if not metas:
         log.info("new run: checkpoints in %s", run)
         return
-    _, meta = latest_valid(others[-1])
+    try:
+        diff = "\n".join(contract_diff(read_json(metas[-1])["contract"], contract))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        diff = f"  (cannot read {metas[-1]}: {e})"
     log.info(
-        "new run: checkpoints in %s; %d other run(s) kept in %s, the latest differs in:\n%s",
+        "new run: checkpoints in %s; other runs kept in %s (delete them when no longer "
+        "needed), the latest differs in:\n%s",
         run,
-        len(others),
         checkpoints,
-        "\n".join(contract_diff(meta["contract"], contract)),
+        diff,
     )
 
 

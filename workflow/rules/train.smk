@@ -3,7 +3,7 @@
 # Snakemake deletes declared outputs of a failed job, and a rerun of this rule resumes from the
 # newest valid checkpoint.
 
-from dflash.train.loop import TRAINING_CONFIG
+from dflash.train import TRAINING_CODE, TRAINING_CONFIG
 
 TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
@@ -48,7 +48,7 @@ rule train:
         launch=launcher(),
         checkpoints=f"{R}/checkpoints",
         cache=COMPILE_CACHE,
-        code=code_hash("dflash.train.loop"),
+        code=code_hash(*TRAINING_CODE),
         env=ENV_HASH,
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
