@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash.errors import UserError
 from dflash.io import read_json
 from dflash.record import VOLATILE, data_summary, eval_summary, train_summary
-from dflash.train.loop import TRAINING_CONFIG
+from dflash.train import TRAINING_CONFIG
 from dflash.verify import manifest_path
 
 # Below this relative change a throughput or τ difference is reported but not explained.
@@ -70,6 +70,9 @@ def record_from_stages(results: Path) -> dict:
         config = train["params"]
     record = {"_name": f"{results} (no MANIFEST.json: from stage manifests)", "partial": True}
     record.update({"code": {"files": files}, "environment": env, "config": config})
+    record["stages"] = {
+        n: {"code_files": sorted(m.get("code_files") or {})} for n, m in stages.items()
+    }
     if "train" in config:
         t = config["train"]
         topo = t["topology"]
@@ -111,13 +114,19 @@ def _flatten(obj, prefix="") -> dict:
     return {prefix[:-1]: obj}
 
 
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def _pct(a, b) -> float | None:
-    if not isinstance(a, int | float) or not isinstance(b, int | float) or a == 0:
+    if not _number(a) or not _number(b) or a == 0:
         return None
     return round(100 * (b - a) / abs(a), 1)
 
 
 def _fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, int):
@@ -212,6 +221,8 @@ def effects(a: dict, b: dict) -> list[dict]:
 
 def topology_cause(a, b) -> dict | None:
     ta, tb = a.get("topology") or {}, b.get("topology") or {}
+    if not ta or not tb:
+        return None  # not recorded on one side: unknown, not changed
     changed = [k for k in ("drafters", "targets", "nnodes", "device") if ta.get(k) != tb.get(k)]
     if not changed:
         return None
@@ -222,6 +233,8 @@ def topology_cause(a, b) -> dict | None:
 
 def environment_cause(a, b) -> dict | None:
     ea, eb = a.get("environment") or {}, b.get("environment") or {}
+    if not ea or not eb:
+        return None  # not recorded on one side (an older results folder): unknown
     details, key = [], False
     for name in ("python", "torch", "cuda", "cudnn", "transformers", "snakemake"):
         if ea.get(name) != eb.get(name):
@@ -233,6 +246,8 @@ def environment_cause(a, b) -> dict | None:
             details.append(f"GPU {name} {_fmt(ga.get(name))} → {_fmt(gb.get(name))}")
             key = True
     pa, pb = ea.get("packages") or {}, eb.get("packages") or {}
+    if not pa or not pb:
+        pa = pb = {}
     shown = {"torch", "transformers", "snakemake"}
     for name in sorted(set(pa) | set(pb)):
         if name in shown or pa.get(name) == pb.get(name):
@@ -272,7 +287,13 @@ def code_cause(a, b) -> dict | None:
         + [f"only in A {f}" for f in removed]
     )
     touched = changed + added + removed
-    training = [f for f in touched if not f.startswith(EVAL_ONLY_CODE)]
+    ran = _stage_files(a) | _stage_files(b)
+    if ran["train"] or ran["any"]:
+        training = [f for f in touched if f in ran["train"]]
+        measured = [f for f in touched if f in ran["any"]]
+    else:  # records without per-stage module lists: judge by path
+        training = [f for f in touched if not f.startswith(EVAL_ONLY_CODE)]
+        measured = [f for f in touched if not f.startswith(EVAL_ONLY_CODE[1:])]
     summary = f"{len(touched)} file(s): " + ", ".join(touched[:5])
     if len(touched) > 5:
         summary += f", and {len(touched) - 5} more"
@@ -280,9 +301,23 @@ def code_cause(a, b) -> dict | None:
         "kind": "code",
         "summary": summary,
         "details": details,
+        # throughput: only modules the train stage ran; τ: modules any stage ran (data, training
+        # or evaluation); the rest (record, compare, CLI wiring, workflow files) barely count
         "w": 1.0 if training else 0.2,
-        "w_tau": 1.0,
+        "w_tau": 1.0 if measured else 0.2,
     }
+
+
+def _stage_files(record: dict) -> dict[str, set]:
+    """Modules the train stage ran, and modules any stage that shapes the numbers ran."""
+    out = {"train": set(), "any": set()}
+    for name, stage in (record.get("stages") or {}).items():
+        files = set(stage.get("code_files") or [])
+        if name == "train":
+            out["train"] |= files
+        if name not in ("record", "report"):
+            out["any"] |= files
+    return out
 
 
 def config_cause(a, b) -> dict | None:
@@ -296,14 +331,16 @@ def config_cause(a, b) -> dict | None:
     if not keys:
         return None
     details = [f"{k}: {_fmt(ca.get(k))} → {_fmt(cb.get(k))}" for k in keys]
-    inert = all(k.startswith(INERT_CONFIG) or k.startswith("eval.") for k in keys)
+    inert = all(k.startswith(INERT_CONFIG) for k in keys)
+    eval_only = all(k.startswith((*INERT_CONFIG, "eval.")) for k in keys)
     return {
         "kind": "config",
         "summary": "; ".join(details[:4])
         + (f"; and {len(details) - 4} more" if len(keys) > 4 else ""),
         "details": details,
-        "w": 0.1 if inert else 1.0,
-        "w_tau": 0.6 if inert else 1.0,
+        # eval.* defines what τ is measured on, but cannot move training throughput
+        "w": 0.1 if eval_only else 1.0,
+        "w_tau": 0.1 if inert else 1.0,
     }
 
 

@@ -157,16 +157,21 @@ def eval_summary(acceptance: dict, ddtree: dict) -> dict:
     }
 
 
-def stage_records(results: Path) -> dict:
-    """Each rule's sidecar manifest, without the parts the record already holds once."""
+def stage_records(results: Path, artefacts: dict[str, str]) -> dict:
+    """Each recorded rule's stage manifest (stale ones from other configs are not artefacts and
+    are left out), without what the record already holds once: output hashes, the environment;
+    each stage keeps the names of the modules it ran, so `compare` can tell which edits could
+    have touched training or evaluation."""
     stages = {}
-    for path in sorted((results / "manifests").glob("*.json")):
-        m = read_json(path)
+    for rel in artefacts:
+        if not (rel.startswith("manifests/") and rel.endswith(".json")):
+            continue
+        m = read_json(results / rel)
         env = m.pop("environment", None) or {}
-        m.pop("output_sha256", None)  # the same hashes are in the record's artefacts
-        m.pop("code_files", None)  # every file's hash is in the record's code
+        m.pop("output_sha256", None)
+        m["code_files"] = sorted(m.get("code_files") or {})
         m["environment_sha256"] = env.get("sha256")
-        stages[path.stem] = m
+        stages[Path(rel).stem] = m
     return stages
 
 
@@ -203,8 +208,8 @@ def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir:
     acceptance, ddtree = optional("eval/acceptance.json"), optional("eval/ddtree.json")
     if acceptance and ddtree:
         record["eval"] = eval_summary(acceptance, ddtree)
-    record["stages"] = stage_records(results)
     record["artefacts"] = artefact_hashes(results, outputs)
+    record["stages"] = stage_records(results, record["artefacts"])
     return record
 
 

@@ -150,14 +150,16 @@ def _log(name: str, gens: list[Generation]) -> None:
 
 
 def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> None:
+    failed = output.with_suffix(".failed.json")
     if record["lossless"] >= 1.0:
+        failed.unlink(missing_ok=True)  # an earlier failure's evidence, now stale
         return
     reference = gens["target"]
     bad = {
         name: [setup.prompts[i].id for i, g in enumerate(gs) if g.tokens != reference[i].tokens]
         for name, gs in gens.items()
     }
-    write_json(output.with_suffix(".failed.json"), record | {"mismatches": bad})
+    write_json(failed, record | {"mismatches": bad})
     raise UserError(f"speculative output differs from the target's greedy output: {bad}")
 
 
