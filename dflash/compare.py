@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash.errors import UserError
 from dflash.io import read_json
-from dflash.record import VOLATILE, data_summary, eval_summary, train_summary
+from dflash.record import VOLATILE, result_summaries, topology_summary
 from dflash.train import TRAINING_CONFIG
 from dflash.verify import manifest_path
 
@@ -74,23 +74,8 @@ def record_from_stages(results: Path) -> dict:
         n: {"code_files": sorted(m.get("code_files") or {})} for n, m in stages.items()
     }
     if "train" in config:
-        t = config["train"]
-        topo = t["topology"]
-        record["topology"] = {
-            **topo,
-            "world": topo["targets"] + topo["drafters"],
-            "nnodes": t["nnodes"],
-            "device": t["device"],
-        }
-    if (results / "data/stats/stats.json").exists():
-        record["data"] = data_summary(read_json(results / "data/stats/stats.json"))
-    if (results / "train/summary.json").exists():
-        lines = (results / "train/metrics.jsonl").read_text().splitlines()
-        summary = read_json(results / "train/summary.json")
-        record["train"] = train_summary(summary, [json.loads(x) for x in lines])
-    if (results / "eval/acceptance.json").exists() and (results / "eval/ddtree.json").exists():
-        acceptance = read_json(results / "eval/acceptance.json")
-        record["eval"] = eval_summary(acceptance, read_json(results / "eval/ddtree.json"))
+        record["topology"] = topology_summary(config["train"])
+    record.update(result_summaries(results))
     return record
 
 

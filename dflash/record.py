@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.io import read_json, sha256_file, sha256_json, write_json
+from dflash.io import read_json, sha256_file, sha256_json, sha256_tree, write_json
 from dflash.manifest import PACKAGE_ROOT, environment_record
 
 log = logging.getLogger(__name__)
@@ -83,17 +83,16 @@ def source_files(workflow_dir: Path | None) -> dict[str, str]:
 def artefact_hashes(results: Path, paths: list[Path]) -> dict[str, str]:
     """sha256 of every file of the given outputs (folders expanded), keyed relative to results/."""
     hashes = {}
-    for path in paths:
-        path = Path(path)
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for path in map(Path, paths):
         if not path.exists():
             raise UserError(f"record: declared output {path} does not exist")
-        for f in files:
-            try:
-                rel = f.resolve().relative_to(results.resolve()).as_posix()
-            except ValueError:
-                raise UserError(f"record: {f} is outside the results folder {results}") from None
-            hashes[rel] = sha256_file(f)
+        try:
+            rel = path.resolve().relative_to(results.resolve())
+        except ValueError:
+            raise UserError(f"record: {path} is outside the results folder {results}") from None
+        base = rel.parent if path.is_file() else rel  # sha256_tree keys a file by its name
+        for name, digest in sha256_tree(path).items():
+            hashes[(base / name).as_posix()] = digest
     return dict(sorted(hashes.items()))
 
 
@@ -157,6 +156,30 @@ def eval_summary(acceptance: dict, ddtree: dict) -> dict:
     }
 
 
+def topology_summary(train: dict) -> dict:
+    topology = train["topology"]
+    return {
+        **topology,
+        "world": topology["targets"] + topology["drafters"],
+        "nnodes": train["nnodes"],
+        "device": train["device"],
+    }
+
+
+def result_summaries(results: Path) -> dict:
+    """The data, train and eval sections of a record, for the outputs the folder holds."""
+    sections = {}
+    if (stats := results / "data/stats/stats.json").exists():
+        sections["data"] = data_summary(read_json(stats))
+    if (summary := results / "train/summary.json").exists():
+        lines = (results / "train/metrics.jsonl").read_text().splitlines()
+        sections["train"] = train_summary(read_json(summary), [json.loads(x) for x in lines])
+    acceptance, ddtree = results / "eval/acceptance.json", results / "eval/ddtree.json"
+    if acceptance.exists() and ddtree.exists():
+        sections["eval"] = eval_summary(read_json(acceptance), read_json(ddtree))
+    return sections
+
+
 def stage_records(results: Path, artefacts: dict[str, str]) -> dict:
     """Each recorded rule's stage manifest (stale ones from other configs are not artefacts and
     are left out), without what the record already holds once: output hashes, the environment;
@@ -177,13 +200,7 @@ def stage_records(results: Path, artefacts: dict[str, str]) -> dict:
 
 def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir: Path | None):
     results = Path(results)
-
-    def optional(rel):
-        path = results / rel
-        return read_json(path) if path.exists() else None
-
     files = source_files(workflow_dir)
-    topology = config["train"]["topology"]
     record = {
         "format": FORMAT,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -193,21 +210,9 @@ def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir:
         "environment": environment_record(),
         "config_sha256": sha256_json(config),
         "config": config,
-        "topology": {
-            **topology,
-            "world": topology["targets"] + topology["drafters"],
-            "nnodes": config["train"]["nnodes"],
-            "device": config["train"]["device"],
-        },
+        "topology": topology_summary(config["train"]),
+        **result_summaries(results),
     }
-    if stats := optional("data/stats/stats.json"):
-        record["data"] = data_summary(stats)
-    if summary := optional("train/summary.json"):
-        lines = (results / "train/metrics.jsonl").read_text().splitlines()
-        record["train"] = train_summary(summary, [json.loads(x) for x in lines])
-    acceptance, ddtree = optional("eval/acceptance.json"), optional("eval/ddtree.json")
-    if acceptance and ddtree:
-        record["eval"] = eval_summary(acceptance, ddtree)
     record["artefacts"] = artefact_hashes(results, outputs)
     record["stages"] = stage_records(results, record["artefacts"])
     return record
