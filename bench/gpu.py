@@ -246,24 +246,20 @@ class Bench:
                 5,
             )
 
-        with mock.patch("dflash.model.target.right_padded", lambda m: False):
+        def early_stop(name):
             base = self.reset_peak()
             t, info = self.timed(lambda: feats(ids, attention), warm, reps)
             info["peak_gb"] = self.peak_gb(base)
             row = self.target_row(t, info, lengths, kept, False, tokens)
             got = feats(ids, attention)
             row["rel_err_vs_naive"] = rel_err(got)
-            row0["early stop, mask"] = got[0, :n0].clone()
-            results["early stop, mask"] = row
-        base = self.reset_peak()
-        t, info = self.timed(lambda: feats(ids, attention), warm, reps)
-        info["peak_gb"] = self.peak_gb(base)
-        row = self.target_row(t, info, lengths, kept, False, tokens)
-        got = feats(ids, attention)
-        row["rel_err_vs_naive"] = rel_err(got)
-        row0["early stop, right-padded mask dropped (production)"] = got[0, :n0].clone()
-        results["early stop, right-padded mask dropped (production)"] = row
-        del got, expected
+            row0[name] = got[0, :n0].clone()
+            results[name] = row
+
+        with mock.patch("dflash.model.target.right_padded", lambda m: False):
+            early_stop("early stop, mask")
+        early_stop("early stop, right-padded mask dropped (production)")
+        del expected
         # bf16 noise yardstick: row 0 alone (no padding, no mask) through the target in fp32.
         feats.float()
         with torch.no_grad():

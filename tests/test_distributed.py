@@ -252,6 +252,17 @@ def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_
     assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
 
 
+def edit_contract(run: Path, **changes) -> None:
+    """Rewrite every checkpoint's contract (with valid SHA256SUMS), as other code or a hand
+    would."""
+    for folder in run.glob("step-*"):
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["contract"] |= changes
+        (folder / "meta.json").write_text(json.dumps(meta))
+        sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
+        (folder / "SHA256SUMS").write_text(sums)
+
+
 def test_checkpoints_of_other_training_code_are_never_resumed(runs, data, target_dir, tmp_path):
     """After a code change the rerun trains afresh (to the same weights as a fresh run) instead of
     resuming, or re-exporting, the old run's checkpoints."""
@@ -259,12 +270,7 @@ def test_checkpoints_of_other_training_code_are_never_resumed(runs, data, target
     old = run_dir(tmp_path)
     other = old.with_name("run-000000000000")  # as other code names its run
     old.rename(other)
-    for folder in other.glob("step-*"):
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["contract"]["code"] = "0" * 64
-        (folder / "meta.json").write_text(json.dumps(meta))
-        sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
-        (folder / "SHA256SUMS").write_text(sums)
+    edit_contract(other, code="0" * 64)
     err = finish(launch(config(1, 1), data, target_dir, tmp_path))
     assert "code: checkpoint '0000000000000000" in err and "resumed from" not in err
     assert steps(tmp_path) == steps(runs[(1, 1)])
@@ -273,12 +279,7 @@ def test_checkpoints_of_other_training_code_are_never_resumed(runs, data, target
 
 def test_a_hand_edited_contract_is_refused(runs, data, target_dir, tmp_path):
     subprocess.run(["cp", "-r", str(runs[(1, 1)] / "ckpt"), str(tmp_path)], check=True)
-    for folder in run_dir(tmp_path).glob("step-*"):
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["contract"]["seed"] = 7
-        (folder / "meta.json").write_text(json.dumps(meta))
-        sums = "".join(f"{sha256_file(folder / n)}  {n}\n" for n in ("state.pt", "meta.json"))
-        (folder / "SHA256SUMS").write_text(sums)
+    edit_contract(run_dir(tmp_path), seed=7)
     run = launch(config(1, 1), data, target_dir, tmp_path)
     err = run.communicate(timeout=300)[1]
     assert run.returncode != 0, err[-3000:]

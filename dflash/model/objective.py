@@ -176,14 +176,19 @@ def checkpointed_lm_loss(hidden, head_weight, labels, weights, chunk_tokens: int
     return total, torch.cat(correct)
 
 
+def _ce_sum(x, labels, weights):
+    """(logsumexp, weighted CE sum, correctness) of fp32 logits x."""
+    lse = torch.logsumexp(x, dim=-1)
+    total = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
+    return lse, total, x.argmax(-1) == labels
+
+
 def _ce_chunk(logits, labels, weights, want_grad: bool):
     """(weighted CE sum, correctness, d sum / d logits in the logits' dtype or None) of one chunk
     of logits; the softmax in fp32. Written for torch.compile (one reduction, one pointwise
     kernel); `_ce_chunk_eager` is the same function with in-place ops for eager mode."""
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    total = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
-    correct = x.argmax(-1) == labels
+    lse, total, correct = _ce_sum(x, labels, weights)
     if not want_grad:
         return total, correct, None
     # d/dlogits of sum(w * (lse - logit_y)) = w * (softmax - onehot(y))
@@ -194,9 +199,7 @@ def _ce_chunk(logits, labels, weights, want_grad: bool):
 
 def _ce_chunk_eager(logits, labels, weights, want_grad: bool):
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)
-    total = ((lse - x.gather(1, labels[:, None]).squeeze(1)) * weights).sum()
-    correct = x.argmax(-1) == labels
+    lse, total, correct = _ce_sum(x, labels, weights)
     if not want_grad:
         return total, correct, None
     g = x.sub_(lse[:, None]).exp_()  # softmax, in place
