@@ -44,6 +44,21 @@ def target_dir():
     return config["target"]["path"] or f"{R}/target/hf"
 
 
+TARGET = target_dir()
+# The trained drafter (config.json + model.safetensors) and the report's plots.
+DRAFTER = f"{R}/drafter"
+DRAFTER_FILES = [f"{DRAFTER}/config.json", f"{DRAFTER}/model.safetensors"]
+PLOTS = ["acceptance", "rates", "ddtree", "training", "throughput", "lengths"]
+
+
+def target_input():
+    """What a rule that reads the target depends on: a user's folder as it is, or the target
+    rule's stage manifest, which holds the sha256 of every file in the rule's folder. Not the
+    folder itself: Snakemake dates a directory() output by a marker file inside it and cannot
+    checksum it, so a `touch` of that marker reran every rule that reads the target."""
+    return config["target"]["path"] or f"{R}/manifests/target.json"
+
+
 def target_fingerprint():
     """Identity of a user-supplied target directory without hashing gigabytes of weights."""
     path = config["target"]["path"]

@@ -7,7 +7,7 @@ rule warmup_compile:
     """Compile the drafter training step for each (batch, bucket length) into the shared cache."""
     input:
         stats=f"{R}/data/stats/stats.json",
-        target=target_dir(),
+        target=target_input(),
     output:
         record=f"{R}/compile/warmup.json",
         manifest=f"{R}/manifests/warmup_compile.json",
@@ -21,7 +21,7 @@ rule warmup_compile:
         code=code_hash("dflash.model.warmup"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} warmup --config {params.config:q} --target {input.target}"
+        "{DFLASH} warmup --config {params.config:q} --target {TARGET}"
         " --stats {input.stats} --record {output.record} --cache-dir {params.cache}"
         " --manifest {output.manifest}"
         " > {log} 2>&1"

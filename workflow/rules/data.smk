@@ -53,7 +53,7 @@ rule regenerate_shard:
     """Rewrite assistant turns of one shard with the target's greedy output (resumable)."""
     input:
         rows=f"{R}/data/expanded/{{split}}.parquet",
-        target=target_dir(),
+        target=target_input(),
     output:
         shard=f"{R}/data/regenerated/{{split}}.shard{{shard}}-of-{SHARDS}.parquet",
         manifest=f"{R}/manifests/regenerate_{{split}}_{{shard}}.json",
@@ -70,7 +70,7 @@ rule regenerate_shard:
         env=ENV_HASH,
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} regenerate --config {params.config:q}"
-        " --target {input.target} --input {input.rows} --output {output.shard}"
+        " --target {TARGET} --input {input.rows} --output {output.shard}"
         " --workdir {params.workdir} --shard {wildcards.shard} --shards {SHARDS}"
         " --manifest {output.manifest} > {log} 2>&1"
 
@@ -100,7 +100,7 @@ rule tokenize:
     """Render with the target's chat template; loss mask on assistant content + end of turn."""
     input:
         rows=lambda wc: regenerated(wc.split),
-        target=target_dir(),
+        target=target_input(),
     output:
         rows=f"{R}/data/tokenized/{{split}}.parquet",
         report=f"{R}/data/tokenized/{{split}}.report.json",
@@ -114,5 +114,5 @@ rule tokenize:
         code=code_hash("dflash.data.tokenization"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} tokenize --config {params.config:q} --target {input.target}"
+        "{DFLASH} tokenize --config {params.config:q} --target {TARGET}"
         " --input {input.rows} --output {output.rows} --manifest {output.manifest} > {log} 2>&1"

@@ -4,8 +4,8 @@
 
 def eval_inputs():
     return {
-        "target": target_dir(),
-        "drafter": f"{R}/drafter",
+        "target": target_input(),
+        "drafter": DRAFTER_FILES,
         "held_out": f"{R}/data/expanded/eval.parquet",
     }
 
@@ -41,7 +41,7 @@ rule eval_acceptance:
         env=ENV_HASH,
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} eval --config {params.config:q}"
-        " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
+        " --target {TARGET} --drafter {DRAFTER} --held-out {input.held_out}"
         " --tokenized {input.tokenized} --output {output.acceptance}"
         " --manifest {output.manifest} > {log} 2>&1"
 
@@ -63,7 +63,7 @@ rule eval_ddtree:
         env=ENV_HASH,
     shell:
         "OMP_NUM_THREADS={threads} {DFLASH} ddtree --config {params.config:q}"
-        " --target {input.target} --drafter {input.drafter} --held-out {input.held_out}"
+        " --target {TARGET} --drafter {DRAFTER} --held-out {input.held_out}"
         " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
@@ -77,11 +77,7 @@ rule report:
         ddtree=f"{R}/eval/ddtree.json",
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
-        plots=report(
-            directory(f"{R}/report"),
-            patterns=["{name}.png"],
-            category="Plots",
-        ),
+        plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
     log:
         f"{R}/logs/report.log",
     params:
@@ -90,4 +86,4 @@ rule report:
     shell:
         "{DFLASH} report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree} --summary {output.summary} --plots {output.plots} > {log} 2>&1"
+        " --ddtree {input.ddtree} --summary {output.summary} --plots {R}/report > {log} 2>&1"

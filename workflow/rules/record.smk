@@ -2,6 +2,8 @@
 # depend on. `verify` re-hashes against it; `dflash compare` diffs two of them.
 from pathlib import Path
 
+from snakemake.io import is_flagged
+
 from dflash.manifest import PACKAGE_ROOT
 from dflash.record import git_state, source_files
 
@@ -17,14 +19,17 @@ def recorded_rules():
     return names
 
 
-def declared_outputs():
+def declared_outputs(folders=True):
     """Every output those rules declare, wildcards filled in (logs and working state are not
-    outputs and are not recorded)."""
+    outputs and are not recorded); without directory() outputs if not `folders`."""
     paths = set()
     for name in recorded_rules():
-        for pattern in getattr(rules, name).output:
-            # both splits: the eval rules read the eval split even when data.eval_rows is 0
-            paths.update(expand(pattern, split=["train", "eval"], shard=range(SHARDS)))
+        for pattern in workflow.get_rule(name).output:
+            if folders or not is_flagged(pattern, "directory"):
+                # both splits: the eval rules read the eval split even when data.eval_rows is 0
+                paths.update(
+                    expand(str(pattern), split=["train", "eval"], shard=range(SHARDS))
+                )
     return sorted(paths)
 
 
@@ -32,7 +37,8 @@ rule record:
     """results/MANIFEST.json: sha256 of every artefact plus code, environment, config, data,
     topology, throughput per role and τ."""
     input:
-        declared_outputs(),
+        # not the target's folder (see target_input); its stage manifest is among these
+        declared_outputs(folders=False),
     output:
         report(
             f"{R}/MANIFEST.json", category="Run record", caption="../report/record.rst"
@@ -44,9 +50,10 @@ rule record:
         code=source_files(Path(workflow.basedir)),
         git=git_state(PACKAGE_ROOT.parent),
         env=ENV_HASH,
+        artefacts=declared_outputs(),
     shell:
         "{DFLASH} record --config {params.config:q} --results {R}"
-        " --workflow-dir {workflow.basedir} --output {output} {input} > {log} 2>&1"
+        " --workflow-dir {workflow.basedir} --output {output} {params.artefacts} > {log} 2>&1"
 
 
 rule verify:

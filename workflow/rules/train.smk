@@ -31,10 +31,10 @@ rule train:
     """Train the drafter; write it in the public DFlash HF layout, per-step metrics and a summary."""
     input:
         data=f"{R}/data/tokenized/train.parquet",
-        target=target_dir(),
+        target=target_input(),
         warmup=f"{R}/compile/warmup.json",
     output:
-        drafter=directory(f"{R}/drafter"),
+        drafter=DRAFTER_FILES,
         metrics=f"{R}/train/metrics.jsonl",
         summary=f"{R}/train/summary.json",
         manifest=f"{R}/manifests/train.json",
@@ -54,6 +54,6 @@ rule train:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
         " OMP_NUM_THREADS=$(( {threads} / {WORLD} > 0 ? {threads} / {WORLD} : 1 ))"
         " {params.launch} -m dflash train"
-        " --config {params.config:q} --target {input.target} --data {input.data}"
-        " --out {output.drafter} --metrics {output.metrics} --summary {output.summary}"
+        " --config {params.config:q} --target {TARGET} --data {input.data}"
+        " --out {DRAFTER} --metrics {output.metrics} --summary {output.summary}"
         " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
