@@ -32,7 +32,14 @@ RELEVANCE = {
     "code": {"throughput": 0.8, "tau": 0.8},
     "config": {"throughput": 0.75, "tau": 0.85},
     "data": {"throughput": 0.7, "tau": 0.7},
+    # other work on the machine, throttled GPUs: time, not what is computed
+    "host": {"throughput": 0.9, "tau": 0.05},
 }
+
+# Host differences beyond noise: this many more runnable threads per CPU (contention), an SM
+# clock this much lower, a new throttle reason or another process on the GPUs.
+BUSIER_HOST = 0.5
+SLOWER_CLOCK = 0.1
 
 # Code and config that cannot touch training (evaluation, reporting, file locations).
 EVAL_ONLY_CODE = ("dflash/eval/", "dflash/record.py", "dflash/compare.py", "dflash/verify.py")
@@ -353,6 +360,33 @@ def data_cause(a, b) -> dict | None:
     return {"kind": "data", "summary": "; ".join(details[:3]), "details": details, "w": weight}
 
 
+def host_cause(a, b) -> dict | None:
+    """Only differences beyond run-to-run noise: a few sampled seconds can differ by a thread."""
+    ha, hb = _get(a, "train.throughput.host"), _get(b, "train.throughput.host")
+    if not ha or not hb:
+        return None  # not recorded on one side: unknown
+    details = []
+    ra, rb = ha.get("runnable_per_cpu"), hb.get("runnable_per_cpu")
+    if _number(ra) and _number(rb) and abs(rb - ra) >= BUSIER_HOST:
+        details.append(f"runnable threads per CPU {_fmt(ra)} → {_fmt(rb)}")
+    ca, cb = ha.get("gpu_sm_clock_fraction"), hb.get("gpu_sm_clock_fraction")
+    if _number(ca) and _number(cb) and abs(cb - ca) >= SLOWER_CLOCK:
+        details.append(f"GPU SM clock {ca:.0%} → {cb:.0%} of its maximum (median)")
+    ta, tb = ha.get("gpu_throttle") or [], hb.get("gpu_throttle") or []
+    if ta != tb:
+        details.append(f"GPU throttling {', '.join(ta) or 'none'} → {', '.join(tb) or 'none'}")
+    fa, fb = ha.get("gpu_foreign_processes_max"), hb.get("gpu_foreign_processes_max")
+    if _number(fa) and _number(fb) and fa != fb:
+        details.append(f"other processes on the GPUs {fa} → {fb}")
+    decisive = bool(details)
+    if ha.get("cpus") != hb.get("cpus"):
+        details.append(f"CPUs {_fmt(ha.get('cpus'))} → {_fmt(hb.get('cpus'))}")
+    if not details:
+        return None
+    summary = "; ".join(details)
+    return {"kind": "host", "summary": summary, "details": details, "w": 1.0 if decisive else 0.3}
+
+
 def causes(a: dict, b: dict, effect: str) -> list[dict]:
     found = [
         c
@@ -362,6 +396,7 @@ def causes(a: dict, b: dict, effect: str) -> list[dict]:
             code_cause(a, b),
             config_cause(a, b),
             data_cause(a, b),
+            host_cause(a, b),
         )
         if c
     ]
@@ -397,7 +432,7 @@ def compare(a: dict, b: dict) -> dict:
                 "summary": top["summary"]
                 if top
                 else "no recorded cause: run-to-run noise, or something the record cannot see "
-                "(other jobs on the machine, thermal throttling, a different filesystem)",
+                "(a slower filesystem or network, another node's load)",
                 "evidence": effect["evidence"],
             }
         )

@@ -125,6 +125,7 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "time_split",
             "bottleneck",
             "verdict",
+            "host",
         )
     }
     throughput["tokens_per_s_per_process"] = round((summary.get("tokens_per_s") or 0) / world, 1)

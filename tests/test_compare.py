@@ -31,3 +31,33 @@ def test_what_one_side_did_not_record_is_not_a_cause():
     older = record()
     del older["environment"], older["topology"]  # a results folder from an older version
     assert compare(older, record())["causes"] == []
+
+
+def host(runnable: float, **gpu) -> dict:
+    return {"cpus": 2, "runnable_per_cpu": runnable, "gpu_throttle": [], **gpu}
+
+
+def test_a_busier_host_explains_a_throughput_drop_and_noise_does_not():
+    a = record(train={"throughput": {"tokens_per_s": 1000.0, "host": host(0.5)}})
+    noisy = record(train={"throughput": {"tokens_per_s": 1010.0, "host": host(0.8)}})
+    assert compare(a, noisy)["causes"] == []
+    busy = record(train={"throughput": {"tokens_per_s": 480.0, "host": host(2.1)}})
+    (verdict,) = compare(a, busy)["most_likely"]
+    assert verdict["cause"] == "host"
+    assert verdict["summary"] == "runnable threads per CPU 0.5 → 2.1"
+
+
+def test_gpu_throttling_and_a_foreign_process_are_host_causes():
+    a = record(train={"throughput": {"tokens_per_s": 1000.0, "host": host(0.5)}})
+    hot = host(0.5, gpu_sm_clock_fraction=0.7, gpu_throttle=["thermal (hardware)"])
+    hot["gpu_foreign_processes_max"] = 1
+    a["train"]["throughput"]["host"] |= {"gpu_sm_clock_fraction": 0.98}
+    a["train"]["throughput"]["host"]["gpu_foreign_processes_max"] = 0
+    b = record(train={"throughput": {"tokens_per_s": 700.0, "host": hot}})
+    (cause,) = compare(a, b)["causes"]
+    assert cause["kind"] == "host"
+    assert cause["details"] == [
+        "GPU SM clock 98% → 70% of its maximum (median)",
+        "GPU throttling none → thermal (hardware)",
+        "other processes on the GPUs 0 → 1",
+    ]

@@ -12,8 +12,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from dflash.compare import compare
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.io import sha256_file
+from dflash.record import train_summary
 from dflash.train.checkpoint import PATTERN
 from dflash.train.topology import Topology
 
@@ -151,6 +153,33 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
     assert summary["bottleneck"] in {"targets", "drafters"} and summary["bottleneck_factor"] >= 1
     colocated = json.loads((runs[(0, 2)] / "summary.json").read_text())
     assert colocated["bottleneck"] == "colocated"
+
+
+def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target_dir, tmp_path):
+    """The same colocated run with other processes busy on every CPU: same weights, lower
+    throughput, and compare blames the host, from what the training itself sampled."""
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        finish(launch(config(0, 1), data, target_dir, tmp_path, torchrun=False))
+    finally:
+        for burner in burners:
+            burner.kill()
+    assert weights(tmp_path) == weights(runs[(0, 1)])
+    quiet, busy = (train_record(out) for out in (runs[(0, 1)], tmp_path))
+    (verdict,) = compare(quiet, busy)["most_likely"]
+    assert verdict["effect"] == "throughput" and verdict["change_pct"] < -5, verdict
+    assert verdict["cause"] == "host", verdict
+    assert verdict["summary"].startswith("runnable threads per CPU"), verdict
+
+
+def train_record(out: Path) -> dict:
+    """The training part of a run record, from one run's summary and metrics."""
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    return {"_name": str(out), "train": train_summary(summary, metrics)}
 
 
 def wait_for(out: Path, step: int, run, seconds: float = 300) -> None:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from dflash.io import atomic_path, read_json
+from dflash.train.host import describe_host
 
 PLOTS = ("acceptance", "rates", "ddtree", "training", "throughput", "lengths")
 
@@ -164,7 +165,8 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         f"**Training:** {len(metrics)} optimizer steps, final loss {metrics[-1]['loss']:.3f}, teacher-forced τ "
         f"{metrics[-1]['tau']:.3f}; {train_summary['tokens_per_s']:.0f} tokens/s with "
         f"{train_summary['topology']['targets']} target + {train_summary['topology']['drafters']} drafter ranks. "
-        f"{train_summary.get('verdict', '')}.",
+        f"{train_summary.get('verdict', '')}. Host during training: "
+        f"{describe_host(train_summary.get('host'))}.",
         "",
         f"**Data:** {stats['rows']} training rows, mean length {stats['length']['mean']:.0f} tokens "
         f"(p99 {stats['length']['p99']}).",

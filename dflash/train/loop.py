@@ -44,6 +44,7 @@ from dflash.train.checkpoint import (
     load_state,
     save_checkpoint,
 )
+from dflash.train.host import HostMonitor, describe_host
 from dflash.train.telemetry import Window, step_record, summarize, sync
 from dflash.train.topology import Topology
 
@@ -395,10 +396,8 @@ class Trainer:
             time.perf_counter() - started,
         )
 
-    def fit(self) -> Path:
-        """Train to the end (resuming if this run has checkpoints); returns the run folder."""
-        t = self.config["train"]
-        accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
+    def fit(self) -> None:
+        """Train to the end (resuming if this run has checkpoints)."""
         self.resume()
         live = self.live_metrics
         trace = Trace(self.run / "telemetry", self.ctx.rank)
@@ -406,6 +405,16 @@ class Trainer:
             self.compile_shapes()
         if self.ctx.rank == 0:
             keep_metrics_upto(live, self.step)
+            self.host = HostMonitor()
+        try:
+            self._train_epochs(live, trace)
+        finally:
+            if self.ctx.rank == 0:
+                self.host.close()
+
+    def _train_epochs(self, live: Path, trace: Trace) -> None:
+        t = self.config["train"]
+        accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
         while self.epoch < t["epochs"]:
             plan = self.batches.plan(self.epoch)
             usable = self.topo.usable(len(plan))
@@ -486,6 +495,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": round(grad_norm, 4),
             **step_record(list(windows), self.topo, list(means)),
+            "host": self.host.window(),
         }
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -551,6 +561,7 @@ def _run(ctx: comm.Dist, args) -> None:
     records = [json.loads(line) for line in lines]
     summary = summarize(records, ctx.topology.as_dict(), config["train"]["queue_depth"])
     log.info("throughput: %s", summary.get("verdict", "no steps"))
+    log.info("host during training: %s", describe_host(summary.get("host")))
     write_json(args.summary, summary)
     with atomic_path(args.metrics) as tmp:
         tmp.write_text("".join(line + "\n" for line in lines))

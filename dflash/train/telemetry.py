@@ -23,6 +23,8 @@ from collections import defaultdict
 
 import torch
 
+from dflash.train.host import summarize_host
+
 PHASES = ("wait", "features", "forward", "backward", "optimizer")
 
 
@@ -143,6 +145,7 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
         "time_split": {
             p: round(statistics.fmean(r["time_s"][p] for r in steady), 4) for p in PHASES
         },
+        "host": summarize_host([r.get("host") for r in steady]),
     }
     if topology["targets"] == 0:
         t = summary["time_split"]
