@@ -36,9 +36,9 @@ RELEVANCE = {
     "host": {"throughput": 0.9, "tau": 0.05},
 }
 
-# Host differences beyond noise: this many more runnable threads per CPU (contention), an SM
+# Host differences beyond noise: other processes taking this much more of all CPU time, an SM
 # clock this much lower, a new throttle reason or another process on the GPUs.
-BUSIER_HOST = 0.5
+BUSIER_HOST = 0.25
 SLOWER_CLOCK = 0.1
 
 # Code and config that cannot touch training (evaluation, reporting, file locations).
@@ -361,33 +361,44 @@ def data_cause(a, b) -> dict | None:
 
 
 def host_cause(a, b) -> dict | None:
-    """Only differences beyond run-to-run noise: a few sampled seconds can differ by a thread."""
+    """Only differences beyond run-to-run noise. `worse` says which way the host moved: +1 if B's
+    was busier or slower, -1 if A's was, 0 if both ways; a host that got better cannot explain a
+    slowdown."""
     ha, hb = _get(a, "train.throughput.host"), _get(b, "train.throughput.host")
     if not ha or not hb:
         return None  # not recorded on one side: unknown
-    details = []
-    ra, rb = ha.get("runnable_per_cpu"), hb.get("runnable_per_cpu")
-    if _number(ra) and _number(rb) and abs(rb - ra) >= BUSIER_HOST:
-        details.append(f"runnable threads per CPU {_fmt(ra)} → {_fmt(rb)}")
+    details, signs = [], set()
+    oa, ob = ha.get("other_cpu_fraction"), hb.get("other_cpu_fraction")
+    if _number(oa) and _number(ob) and abs(ob - oa) >= BUSIER_HOST:
+        details.append(f"CPU time used by other processes {oa:.0%} → {ob:.0%}")
+        signs.add(1 if ob > oa else -1)
     ca, cb = ha.get("gpu_sm_clock_fraction"), hb.get("gpu_sm_clock_fraction")
     if _number(ca) and _number(cb) and abs(cb - ca) >= SLOWER_CLOCK:
         details.append(f"GPU SM clock {ca:.0%} → {cb:.0%} of its maximum (median)")
-    ta, tb = ha.get("gpu_throttle") or [], hb.get("gpu_throttle") or []
+        signs.add(1 if cb < ca else -1)
+    ta, tb = set(ha.get("gpu_throttle") or []), set(hb.get("gpu_throttle") or [])
     if ta != tb:
-        details.append(f"GPU throttling {', '.join(ta) or 'none'} → {', '.join(tb) or 'none'}")
+        details.append(
+            f"GPU throttling {', '.join(sorted(ta)) or 'none'} → {', '.join(sorted(tb)) or 'none'}"
+        )
+        signs.update(([1] if tb - ta else []) + ([-1] if ta - tb else []))
     fa, fb = ha.get("gpu_foreign_processes_max"), hb.get("gpu_foreign_processes_max")
     if _number(fa) and _number(fb) and fa != fb:
         details.append(f"other processes on the GPUs {fa} → {fb}")
-    decisive = bool(details)
+        signs.add(1 if fb > fa else -1)
     if ha.get("cpus") != hb.get("cpus"):
         details.append(f"CPUs {_fmt(ha.get('cpus'))} → {_fmt(hb.get('cpus'))}")
     if not details:
         return None
     summary = "; ".join(details)
-    return {"kind": "host", "summary": summary, "details": details, "w": 1.0 if decisive else 0.3}
+    worse = (sum(signs) if len(signs) == 1 else 0) if signs else None
+    weight = 1.0 if signs else 0.3  # only the CPU count differs: another machine type
+    return {"kind": "host", "summary": summary, "details": details, "w": weight, "worse": worse}
 
 
-def causes(a: dict, b: dict, effect: str) -> list[dict]:
+def causes(a: dict, b: dict, effect: str, change_pct: float | None = None) -> list[dict]:
+    """Recorded causes ranked for one effect; `change_pct` (its sign) lets a host change count
+    only in the direction that explains it."""
     found = [
         c
         for c in (
@@ -404,6 +415,12 @@ def causes(a: dict, b: dict, effect: str) -> list[dict]:
         weight = c.pop("w_tau", c["w"]) if effect == "tau" else c["w"]
         c.pop("w", None)
         c.pop("w_tau", None)
+        worse = c.pop("worse", None)
+        if worse is not None and effect == "throughput" and change_pct:
+            if worse == 0:
+                weight *= 0.5  # the host moved both ways
+            elif (worse > 0) != (change_pct < 0):
+                weight *= 0.1  # e.g. a quieter host beside a slowdown
         c["score"] = round(RELEVANCE[c["kind"]][effect] * weight, 3)
     return sorted(found, key=lambda c: -c["score"])
 
@@ -423,7 +440,7 @@ def compare(a: dict, b: dict) -> dict:
     real.sort(key=lambda e: -abs(e["change_pct"]) / 100 / NOISE[e["metric"]])
     explanations = []
     for effect in real:
-        top = next(iter(causes(a, b, effect["metric"])), None)
+        top = next(iter(causes(a, b, effect["metric"], effect["change_pct"])), None)
         explanations.append(
             {
                 "effect": effect["metric"],
@@ -436,7 +453,9 @@ def compare(a: dict, b: dict) -> dict:
                 "evidence": effect["evidence"],
             }
         )
-    ranked = causes(a, b, real[0]["metric"] if real else "throughput")
+    ranked = causes(
+        a, b, *((real[0]["metric"], real[0]["change_pct"]) if real else ("throughput",))
+    )
     fa, fb = a.get("artefacts") or {}, b.get("artefacts") or {}
     if not (fa and fb):  # a partial record has none: nothing to compare file by file
         fa = fb = {}

@@ -80,6 +80,10 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+# The empty file by which Snakemake dates a directory() output: bookkeeping, not content.
+SNAKEMAKE_MARKER = ".snakemake_timestamp"
+
+
 def sha256_tree(path: str | os.PathLike) -> dict[str, str]:
     """sha256 of every file under a directory (or of the file itself), keyed by relative path."""
     path = Path(path)
@@ -88,7 +92,7 @@ def sha256_tree(path: str | os.PathLike) -> dict[str, str]:
     return {
         p.relative_to(path).as_posix(): sha256_file(p)
         for p in sorted(path.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != SNAKEMAKE_MARKER
     }
 
 

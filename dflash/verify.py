@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.io import read_json, sha256_file
+from dflash.io import SNAKEMAKE_MARKER, read_json, sha256_file
 from dflash.record import UNDECLARED
 
 
@@ -33,6 +33,7 @@ def check(manifest: Path) -> dict[str, list[str]]:
         rel
         for p in sorted(results.rglob("*"))
         if p.is_file()
+        and p.name != SNAKEMAKE_MARKER
         and (rel := p.relative_to(results).as_posix()) not in recorded
         and rel.split("/")[0] not in UNDECLARED
     ]

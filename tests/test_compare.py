@@ -33,28 +33,35 @@ def test_what_one_side_did_not_record_is_not_a_cause():
     assert compare(older, record())["causes"] == []
 
 
-def host(runnable: float, **gpu) -> dict:
-    return {"cpus": 2, "runnable_per_cpu": runnable, "gpu_throttle": [], **gpu}
+def host(other_cpu: float, **gpu) -> dict:
+    return {"cpus": 2, "other_cpu_fraction": other_cpu, "gpu_throttle": [], **gpu}
 
 
-def test_a_busier_host_explains_a_throughput_drop_and_noise_does_not():
-    a = record(train={"throughput": {"tokens_per_s": 1000.0, "host": host(0.5)}})
-    noisy = record(train={"throughput": {"tokens_per_s": 1010.0, "host": host(0.8)}})
-    assert compare(a, noisy)["causes"] == []
-    busy = record(train={"throughput": {"tokens_per_s": 480.0, "host": host(2.1)}})
-    (verdict,) = compare(a, busy)["most_likely"]
+def throughput(tokens_per_s: float, host_record: dict) -> dict:
+    return {"throughput": {"tokens_per_s": tokens_per_s, "host": host_record}}
+
+
+def test_a_busier_host_explains_a_slowdown_and_noise_or_a_quieter_host_does_not():
+    a = record(train=throughput(1000.0, host(0.05)))
+    assert compare(a, record(train=throughput(1010.0, host(0.2))))["causes"] == []
+    (verdict,) = compare(a, record(train=throughput(480.0, host(0.8))))["most_likely"]
     assert verdict["cause"] == "host"
-    assert verdict["summary"] == "runnable threads per CPU 0.5 → 2.1"
+    assert verdict["summary"] == "CPU time used by other processes 5% → 80%"
+    # B is slower with an edited training module, on a host quieter than A's: the code is blamed
+    busy = record(train=throughput(1000.0, host(0.8)))
+    edited = record(
+        code={"files": {"dflash/train/loop.py": "b", "dflash/compare.py": "a"}},
+        train=throughput(500.0, host(0.05)),
+    )
+    assert [c["kind"] for c in compare(busy, edited)["causes"]] == ["code", "host"]
 
 
 def test_gpu_throttling_and_a_foreign_process_are_host_causes():
-    a = record(train={"throughput": {"tokens_per_s": 1000.0, "host": host(0.5)}})
-    hot = host(0.5, gpu_sm_clock_fraction=0.7, gpu_throttle=["thermal (hardware)"])
-    hot["gpu_foreign_processes_max"] = 1
-    a["train"]["throughput"]["host"] |= {"gpu_sm_clock_fraction": 0.98}
+    a = record(train=throughput(1000.0, host(0.05, gpu_sm_clock_fraction=0.98)))
     a["train"]["throughput"]["host"]["gpu_foreign_processes_max"] = 0
-    b = record(train={"throughput": {"tokens_per_s": 700.0, "host": hot}})
-    (cause,) = compare(a, b)["causes"]
+    hot = host(0.05, gpu_sm_clock_fraction=0.7, gpu_throttle=["thermal (hardware)"])
+    hot["gpu_foreign_processes_max"] = 1
+    (cause,) = compare(a, record(train=throughput(700.0, hot)))["causes"]
     assert cause["kind"] == "host"
     assert cause["details"] == [
         "GPU SM clock 98% → 70% of its maximum (median)",

@@ -1,54 +1,59 @@
-"""Host sampling during training: nvidia-smi parsing and the CPU contention it measures."""
+"""Host sampling during training: nvidia-smi parsing and the CPU use of other processes."""
 
+import os
 import subprocess
 import sys
 import time
 
-from dflash.train.host import HostMonitor, parse_gpus, summarize_host
+from dflash.train.host import OtherCpuUse, parse_gpus, summarize_host
 
 # `nvidia-smi --query-gpu=GPU_QUERIES[0] --format=csv,noheader,nounits` on a three-GPU host: one
 # at full clock under the routine power cap, one hot, one whose driver reports no values
-SMI = """0, 1980, 1980, 41, 0x0000000000000004
-1, 1395, 1980, 88, 0x0000000000000060
-2, [N/A], 1980, [N/A], [N/A]
+SMI = """GPU-5c1f0e3a-0001, 1980, 1980, 41, 0x0000000000000004
+GPU-5c1f0e3a-0002, 1395, 1980, 88, 0x0000000000000060
+GPU-5c1f0e3a-0003, [N/A], 1980, [N/A], [N/A]
 """
 
 
 def test_nvidia_smi_fields_become_clock_fractions_and_named_throttle_reasons():
     gpus = parse_gpus(SMI)
     assert gpus[0] == {
-        "index": 0,
+        "uuid": "5c1f0e3a-0001",  # as torch names it: without the GPU- prefix
         "sm_clock_fraction": 1.0,
         "temperature_c": 41,
         "throttle": [],  # the software power cap alone is routine under load
     }
     assert gpus[1]["sm_clock_fraction"] == 0.705
     assert gpus[1]["throttle"] == ["thermal (software)", "thermal (hardware)"]
-    assert gpus[2] == {"index": 2, "sm_clock_fraction": None, "temperature_c": None, "throttle": []}
-    without_reasons = parse_gpus("0, 1500, 1980, 60\n")  # the last query, for old drivers
-    assert without_reasons[0]["sm_clock_fraction"] == 0.758 and without_reasons[0]["throttle"] == []
-    summary = summarize_host([{"cpus": 8, "runnable_per_cpu": 0.5, "gpus": gpus}])
+    assert gpus[2]["sm_clock_fraction"] is None and gpus[2]["temperature_c"] is None
+    old_driver = parse_gpus("GPU-a, 1500, 1980, 60\n")  # the last query: no throttle field
+    assert old_driver[0]["sm_clock_fraction"] == 0.758 and old_driver[0]["throttle"] == []
+    summary = summarize_host([{"cpus": 8, "other_cpu_fraction": 0.01, "gpus": gpus}])
     assert summary["gpu_throttle"] == ["thermal (hardware)", "thermal (software)"]
     assert summary["gpu_temperature_c_max"] == 88
 
 
-def test_the_monitor_sees_other_processes_competing_for_the_cpus():
-    monitor = HostMonitor()
+def burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_other_processes_cpu_use_is_counted_and_our_own_is_not():
+    other = OtherCpuUse({os.getpid()})
+    burn(2)  # our own work: not "other"
+    quiet = other()
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
     try:
-        time.sleep(3)
-        quiet = monitor.window()["runnable_per_cpu"]
-        burners = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(monitor.cpus * 2)
-        ]
-        try:
-            time.sleep(1.5)
-            monitor.window()  # drop the samples taken while they started
-            time.sleep(3)
-            busy = monitor.window()["runnable_per_cpu"]
-        finally:
-            for p in burners:
-                p.kill()
+        time.sleep(0.5)
+        other()  # drop the interval in which they started
+        time.sleep(2)
+        busy = other()
     finally:
-        monitor.close()
-    assert busy - quiet >= 1.5, (quiet, busy)
+        for p in burners:
+            p.kill()
+            p.wait()
+    assert quiet < 0.2 and busy > 0.6, (quiet, busy)

@@ -1,18 +1,21 @@
 """What else the machine was doing while training ran: the record's evidence for "was it the host?".
 
-Drafter 0 runs a `HostMonitor` thread that samples, every `CPU_EVERY_S` seconds, the runnable
-threads on the machine (the running count in /proc/loadavg, less the sampler) and, on a host with
-nvidia-smi, every `GPU_EVERY_S` seconds, each GPU's SM clock against its maximum, its temperature,
-its active throttle reasons and the compute processes on it that are not ranks of this run. Each
-metrics line carries the window since the previous line; `summarize_host` condenses the steady
-lines for the run summary, and `dflash compare` weighs a change in them as a cause.
+Drafter 0 runs a `HostMonitor`. Every `CPU_EVERY_S` seconds it reads how much of all CPUs' time
+went to processes other than this run's ranks (/proc/stat less the ranks' own ticks; a virtual
+machine's steal time counts as other work). On a GPU run, a second thread asks nvidia-smi every
+`GPU_EVERY_S` seconds about the GPUs this node's ranks use: SM clock against its maximum,
+temperature, thermal or hardware throttling, and compute processes that are not ranks of this run.
+Each metrics line carries the window since the previous line; `summarize_host` condenses the
+steady lines for the run summary, and `dflash compare` weighs a change in them as a cause.
 
-What it cannot see: other nodes of a multi-node run (it samples drafter 0's node), and a process
-of another job that nvidia-smi cannot show from inside a container.
+What it cannot see: other nodes of a multi-node run (it samples drafter 0's node), a cgroup CPU
+limit (/proc/stat is the whole machine's), and processes that nvidia-smi cannot show from inside
+a container.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import statistics
@@ -20,10 +23,13 @@ import subprocess
 import threading
 from pathlib import Path
 
+log = logging.getLogger("dflash.train")
+
 CPU_EVERY_S = 1.0
+GPU_FIRST_S = 5.0  # after the first steps, not while the GPUs still idle
 GPU_EVERY_S = 30.0
 
-# nvidia-smi's clocks_throttle_reasons.active bits that mean something is wrong with the GPU or its
+# nvidia-smi's clocks_event_reasons.active bits that mean something is wrong with the GPU or its
 # cooling. Left out: idle and application-clock bits, and the software power cap, which a busy
 # GPU hits routinely (its effect shows in the SM clock).
 THROTTLE_BITS = {
@@ -33,17 +39,75 @@ THROTTLE_BITS = {
     0x80: "power brake",
 }
 # The throttle field was renamed in driver 535 (clocks_event_reasons); older drivers know only the
-# old name, and some newer ones may drop it: try both, then go without it.
+# old name, and newer ones may drop it: try both, then go without it.
 GPU_QUERIES = [
-    f"index,clocks.sm,clocks.max.sm,temperature.gpu,{reasons}"
+    f"uuid,clocks.sm,clocks.max.sm,temperature.gpu,{reasons}"
     for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
-] + ["index,clocks.sm,clocks.max.sm,temperature.gpu"]
+] + ["uuid,clocks.sm,clocks.max.sm,temperature.gpu"]
 
 
-def runnable_threads() -> int:
-    """Threads runnable right now on the whole machine, not counting the caller."""
-    fields = Path("/proc/loadavg").read_text().split()
-    return max(int(fields[3].split("/")[0]) - 1, 0)
+# ---------------------------------------------------------------------------------- CPUs
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat's first line."""
+    user, nice, system, idle, iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def process_ticks(pids: set[int]) -> int:
+    """User + system clock ticks of these processes, all threads and reaped children included."""
+    total = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return total
+
+
+def run_pids() -> set[int]:
+    """This process and the other ranks torchrun started on this node: siblings running the same
+    command line (not everything the parent started, e.g. a test's other processes)."""
+    me, parent = os.getpid(), os.getppid()
+    command = Path(f"/proc/{me}/cmdline").read_bytes()
+    pids = {me}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and (entry / "cmdline").read_bytes() == command:
+                pids.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+class OtherCpuUse:
+    """Fraction of all CPU time spent outside the given processes since the previous call."""
+
+    def __init__(self, pids: set[int]):
+        self.pids = pids
+        self.last = (*cpu_ticks(), process_ticks(pids))
+
+    def __call__(self) -> float | None:
+        now = (*cpu_ticks(), process_ticks(self.pids))
+        busy, total, ours = (n - p for n, p in zip(now, self.last, strict=True))
+        self.last = now
+        return max(busy - ours, 0) / total if total > 0 else None
+
+
+# ---------------------------------------------------------------------------------- GPUs
+
+
+def _uuid(s: str) -> str:
+    return s.strip().lower().removeprefix("gpu-")
 
 
 def parse_gpus(text: str) -> list[dict]:
@@ -58,12 +122,12 @@ def parse_gpus(text: str) -> list[dict]:
 
     gpus = []
     for line in text.strip().splitlines():
-        index, sm, sm_max, temp, *reasons = (f.strip() for f in line.split(","))
+        uuid, sm, sm_max, temp, *reasons = (f.strip() for f in line.split(","))
         sm, sm_max = number(sm), number(sm_max)
         bits = number(reasons[0], 16) if reasons else None
         gpus.append(
             {
-                "index": int(index),
+                "uuid": _uuid(uuid),
                 "sm_clock_fraction": round(sm / sm_max, 3) if sm and sm_max else None,
                 "temperature_c": number(temp),
                 "throttle": [name for bit, name in THROTTLE_BITS.items() if bits and bits & bit],
@@ -72,95 +136,104 @@ def parse_gpus(text: str) -> list[dict]:
     return gpus
 
 
-def our_pids() -> set[int]:
-    """This process and its siblings: the other ranks torchrun started on this node."""
-    parent = os.getppid()
-    pids = {os.getpid()}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            ppid = next(line for line in status.splitlines() if line.startswith("PPid:"))
-            if int(ppid.split()[1]) == parent:
-                pids.add(int(entry.name))
-    return pids
-
-
 def _nvidia_smi(*args: str) -> str | None:
     try:
         done = subprocess.run(
             ["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True
         )
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
     return done.stdout
 
 
-def gpu_sample(ours: set[int]) -> dict | None:
-    """Clocks, temperatures and throttling of every GPU, and how many compute processes on them
-    are not ours; None without nvidia-smi or when it fails."""
+def gpu_sample(uuids: set[str], ours: set[int]) -> dict | None:
+    """Clocks, temperatures and throttling of the run's GPUs, and how many compute processes on
+    the node are not ranks of this run; None without a usable answer from nvidia-smi."""
     for query in GPU_QUERIES:
         status = _nvidia_smi(f"--query-gpu={query}", "--format=csv,noheader,nounits")
         if status is not None:
             break
     else:
         return None
-    try:
-        gpus = parse_gpus(status)
-    except ValueError:
+    gpus = [g for g in parse_gpus(status) if g["uuid"] in uuids]
+    if not gpus:
         return None
-    apps = _nvidia_smi("--query-compute-apps=pid", "--format=csv,noheader") or ""
-    pids = {int(p) for p in apps.split() if p.strip().isdigit()}
-    # None unless our own process is listed: in a container nvidia-smi may show the host's pids,
-    # and then every process, ours too, would look foreign
-    return {"gpus": gpus, "foreign_processes": len(pids - ours) if pids & ours else None}
+    apps = _nvidia_smi("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader") or ""
+    pids = {
+        int(pid)
+        for pid, gpu in (line.split(",") for line in apps.strip().splitlines() if "," in line)
+        if pid.strip().isdigit() and _uuid(gpu) in uuids
+    }
+    # None unless a rank of ours is listed: inside a container nvidia-smi may show the host's
+    # pids, and then every process, ours too, would look foreign
+    foreign = len(pids - ours) if pids & ours else None
+    return {"gpus": gpus, "foreign_processes": foreign}
+
+
+# ---------------------------------------------------------------------------------- monitor
 
 
 class HostMonitor:
-    """Background sampling on drafter 0; `window()` returns and resets what it saw."""
+    """Background sampling on drafter 0; `window()` returns and resets what it saw.
 
-    def __init__(self):
+    `gpu_uuids` are the GPUs this node's ranks use (none on CPU). Sampling never stops training:
+    an error is logged once and that kind of sample is dropped."""
+
+    def __init__(self, gpu_uuids: list[str] = ()):
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._runnable: list[int] = []
+        self._other: list[float] = []
         self._gpu: dict | None = None
         self.cpus = os.cpu_count() or 1
-        self._gpus = shutil.which("nvidia-smi") is not None
-        self._thread = threading.Thread(target=self._loop, name="host-monitor", daemon=True)
-        self._thread.start()
+        self._pids = run_pids()
+        self._threads = [threading.Thread(target=self._cpu_loop, daemon=True)]
+        if gpu_uuids and shutil.which("nvidia-smi"):
+            uuids = {_uuid(u) for u in gpu_uuids}
+            self._threads.append(
+                threading.Thread(target=self._gpu_loop, args=(uuids,), daemon=True)
+            )
+        for t in self._threads:
+            t.start()
 
-    def _loop(self) -> None:
-        ours = our_pids() if self._gpus else set()
-        waited = GPU_EVERY_S
-        while not self._stop.is_set():
-            if self._gpus and waited >= GPU_EVERY_S:
-                sample, waited = gpu_sample(ours), 0.0
-                with self._lock:
-                    self._gpu = sample
+    def _cpu_loop(self) -> None:
+        try:
+            other = OtherCpuUse(self._pids)
+            while not self._stop.wait(CPU_EVERY_S):
+                fraction = other()
+                if fraction is not None:
+                    with self._lock:
+                        self._other.append(fraction)
+        except Exception as e:  # e.g. no /proc: train without host evidence
+            log.warning("host monitor: CPU sampling stopped: %s", e)
+
+    def _gpu_loop(self, uuids: set[str]) -> None:
+        wait = GPU_FIRST_S
+        while not self._stop.wait(wait):
+            wait = GPU_EVERY_S
+            try:
+                sample = gpu_sample(uuids, self._pids)
+            except Exception as e:
+                log.warning("host monitor: GPU sampling stopped: %s", e)
+                sample, wait = None, None
             with self._lock:
-                self._runnable.append(runnable_threads())
-            self._stop.wait(CPU_EVERY_S)
-            waited += CPU_EVERY_S
+                self._gpu = sample  # a failed sample clears the last one: no stale evidence
+            if wait is None:
+                return
 
     def window(self) -> dict:
         with self._lock:
-            runnable, self._runnable = self._runnable, []
+            other, self._other = self._other, []
             gpu = self._gpu
         host = {
             "cpus": self.cpus,
-            "runnable_per_cpu": round(statistics.fmean(runnable) / self.cpus, 3)
-            if runnable
-            else None,
+            "other_cpu_fraction": round(statistics.fmean(other), 3) if other else None,
         }
-        if gpu is not None:
-            host |= gpu
-        return host
+        return host | gpu if gpu else host
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=1)
 
 
 def summarize_host(windows: list[dict]) -> dict | None:
@@ -168,16 +241,16 @@ def summarize_host(windows: list[dict]) -> dict | None:
     windows = [w for w in windows if w]
     if not windows:
         return None
-    runnable = [w["runnable_per_cpu"] for w in windows if w.get("runnable_per_cpu") is not None]
+    other = [w["other_cpu_fraction"] for w in windows if w.get("other_cpu_fraction") is not None]
     gpus = [g for w in windows for g in w.get("gpus") or []]
     clocks = [g["sm_clock_fraction"] for g in gpus if g["sm_clock_fraction"] is not None]
-    # the median: a sample taken while the GPU waits (a checkpoint write) reads idle clocks
     temps = [g["temperature_c"] for g in gpus if g["temperature_c"] is not None]
     foreign = [w["foreign_processes"] for w in windows if w.get("foreign_processes") is not None]
     return {
         "cpus": windows[-1].get("cpus"),
-        "runnable_per_cpu": round(statistics.fmean(runnable), 3) if runnable else None,
-        "runnable_per_cpu_max": max(runnable, default=None),
+        "other_cpu_fraction": round(statistics.fmean(other), 3) if other else None,
+        "other_cpu_fraction_max": max(other, default=None),
+        # the median: a sample taken while the GPUs wait (a checkpoint write) reads idle clocks
         "gpu_sm_clock_fraction": statistics.median(clocks) if clocks else None,
         "gpu_temperature_c_max": max(temps, default=None),
         "gpu_throttle": sorted({r for g in gpus for r in g["throttle"]}),
@@ -186,10 +259,10 @@ def summarize_host(windows: list[dict]) -> dict | None:
 
 
 def describe_host(host: dict | None) -> str:
-    """One sentence for the run summary, e.g. "0.52 runnable threads per CPU (2 CPUs)"."""
-    if not host or host.get("runnable_per_cpu") is None:
+    """One sentence for the run summary, e.g. "other processes used 3% of the 2 CPUs"."""
+    if not host or host.get("other_cpu_fraction") is None:
         return "not sampled (the run was shorter than a sample interval)"
-    parts = [f"{host['runnable_per_cpu']:.2f} runnable threads per CPU ({host['cpus']} CPUs)"]
+    parts = [f"other processes used {host['other_cpu_fraction']:.0%} of the {host['cpus']} CPUs"]
     if host.get("gpu_sm_clock_fraction") is not None:
         parts.append(f"GPU SM clock {host['gpu_sm_clock_fraction']:.0%} of its maximum (median)")
     if host.get("gpu_throttle"):

@@ -405,7 +405,7 @@ class Trainer:
             self.compile_shapes()
         if self.ctx.rank == 0:
             keep_metrics_upto(live, self.step)
-            self.host = HostMonitor()
+            self.host = HostMonitor(node_gpu_uuids(self.device))
         try:
             self._train_epochs(live, trace)
         finally:
@@ -515,6 +515,14 @@ class Trainer:
             print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
         else:
             log.info(line)
+
+
+def node_gpu_uuids(device: torch.device) -> list[str]:
+    """The GPUs this node's ranks use: rank r takes cuda:LOCAL_RANK (comm.init)."""
+    if device.type != "cuda":
+        return []
+    ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(ranks)]
 
 
 def keep_metrics_upto(live: Path, step: int) -> None:

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 from dflash.config import validate as dflash_validate
+from dflash.eval.report import PLOTS
 from dflash.io import sha256_file
 from dflash.manifest import code_hash, environment_hash
 
@@ -45,18 +46,21 @@ def target_dir():
 
 
 TARGET = target_dir()
-# The trained drafter (config.json + model.safetensors) and the report's plots.
+# The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
+TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
+# The trained drafter, declared as files (config.json + model.safetensors).
 DRAFTER = f"{R}/drafter"
 DRAFTER_FILES = [f"{DRAFTER}/config.json", f"{DRAFTER}/model.safetensors"]
-PLOTS = ["acceptance", "rates", "ddtree", "training", "throughput", "lengths"]
 
 
 def target_input():
-    """What a rule that reads the target depends on: a user's folder as it is, or the target
-    rule's stage manifest, which holds the sha256 of every file in the rule's folder. Not the
-    folder itself: Snakemake dates a directory() output by a marker file inside it and cannot
-    checksum it, so a `touch` of that marker reran every rule that reads the target."""
-    return config["target"]["path"] or f"{R}/manifests/target.json"
+    """What a rule that reads the target depends on. Never a folder's date: Snakemake dates a
+    directory by a marker file it cannot checksum, so a `touch` reran every rule that reads the
+    target. The target rule's folder is read through its stage manifest, which holds the sha256
+    of every file in it; a user's folder is ancient() and identified by target_fingerprint().
+    """
+    path = config["target"]["path"]
+    return ancient(path) if path else f"{R}/manifests/target.json"
 
 
 def target_fingerprint():

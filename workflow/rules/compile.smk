@@ -18,6 +18,7 @@ rule warmup_compile:
     params:
         config=config_json("results", "drafter", "compile", "target.mask_token_id"),
         cache=COMPILE_CACHE,
+        target=target_fingerprint(),
         code=code_hash("dflash.model.warmup"),
         env=ENV_HASH,
     shell:

@@ -37,6 +37,7 @@ rule eval_acceptance:
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
+        target=target_fingerprint(),
         code=EVAL_CODE,
         env=ENV_HASH,
     shell:
@@ -59,6 +60,7 @@ rule eval_ddtree:
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
+        target=target_fingerprint(),
         code=EVAL_CODE,
         env=ENV_HASH,
     shell:

@@ -47,6 +47,7 @@ rule train:
         config=config_json(*TRAINING_CONFIG),
         launch=launcher(),
         checkpoints=f"{R}/checkpoints",
+        target=target_fingerprint(),
         cache=COMPILE_CACHE,
         code=code_hash(*TRAINING_CODE),
         env=ENV_HASH,
