@@ -57,3 +57,18 @@ def test_other_processes_cpu_use_is_counted_and_our_own_is_not():
             p.kill()
             p.wait()
     assert quiet < 0.2 and busy > 0.6, (quiet, busy)
+
+
+def test_a_rank_that_finishes_first_is_dropped_not_counted_as_negative_work():
+    """Target ranks exit before drafter 0 writes the last checkpoint; their ticks vanish from
+    /proc and must not turn into "other" work (the first version read 102 % of the CPUs)."""
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() < t + 3: pass"]
+    )
+    other = OtherCpuUse({rank.pid})
+    time.sleep(2.5)
+    during = other()  # the rank's own work
+    rank.wait()
+    time.sleep(1)
+    after = other()
+    assert during < 0.3 and after < 0.6, (during, after)

@@ -58,17 +58,15 @@ def cpu_ticks() -> tuple[int, int]:
     return busy, busy + idle + iowait
 
 
-def process_ticks(pids: set[int]) -> int:
-    """User + system clock ticks of these processes, all threads and reaped children included."""
-    total = 0
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
-        total += sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return total
+def process_ticks(pid: int) -> int | None:
+    """User + system clock ticks of a process, all threads and reaped children included; None
+    once it has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+    return sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
 
 
 def run_pids() -> set[int]:
@@ -93,14 +91,24 @@ class OtherCpuUse:
     """Fraction of all CPU time spent outside the given processes since the previous call."""
 
     def __init__(self, pids: set[int]):
-        self.pids = pids
-        self.last = (*cpu_ticks(), process_ticks(pids))
+        self.ticks = {pid: t for pid in pids if (t := process_ticks(pid)) is not None}
+        self.busy, self.total = cpu_ticks()
 
     def __call__(self) -> float | None:
-        now = (*cpu_ticks(), process_ticks(self.pids))
-        busy, total, ours = (n - p for n, p in zip(now, self.last, strict=True))
-        self.last = now
-        return max(busy - ours, 0) / total if total > 0 else None
+        busy, total = cpu_ticks()
+        ours = 0
+        for pid, last in list(self.ticks.items()):
+            now = process_ticks(pid)
+            if now is None:  # a rank that finished (targets stop before drafter 0): drop it
+                del self.ticks[pid]
+            else:
+                ours += now - last
+                self.ticks[pid] = now
+        d_busy, d_total = busy - self.busy, total - self.total
+        self.busy, self.total = busy, total
+        if d_total <= 0:
+            return None
+        return min(max(d_busy - ours, 0) / d_total, 1.0)
 
 
 # ---------------------------------------------------------------------------------- GPUs
