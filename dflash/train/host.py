@@ -58,14 +58,19 @@ def cpu_ticks() -> tuple[int, int]:
     return busy, busy + idle + iowait
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat from the state field on (after "pid (comm)", whose comm may hold spaces
+    or parentheses); OSError once the process has exited."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_ticks(pid: int) -> int | None:
     """User + system clock ticks of a process, all threads and reaped children included; None
     once it has exited."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = _stat_fields(pid)
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)", which may hold spaces
     return sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
 
 
@@ -79,7 +84,7 @@ def run_pids() -> set[int]:
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            ppid = int(_stat_fields(entry.name)[1])
             if ppid == parent and (entry / "cmdline").read_bytes() == command:
                 pids.add(int(entry.name))
         except (OSError, ValueError, IndexError):
@@ -222,11 +227,11 @@ class HostMonitor:
                 sample = gpu_sample(uuids, self._pids)
             except Exception as e:
                 log.warning("host monitor: GPU sampling stopped: %s", e)
-                sample, wait = None, None
-            with self._lock:
-                self._gpu = sample  # a failed sample clears the last one: no stale evidence
-            if wait is None:
+                with self._lock:
+                    self._gpu = None  # no stale evidence
                 return
+            with self._lock:
+                self._gpu = sample  # None without a usable answer: no stale evidence either
 
     def window(self) -> dict:
         with self._lock:

@@ -40,12 +40,8 @@ def config_json(*paths):
     return json.dumps(subset, sort_keys=True)
 
 
-def target_dir():
-    """The target as an HF directory: the user's local path, or the target rule's output."""
-    return config["target"]["path"] or f"{R}/target/hf"
-
-
-TARGET = target_dir()
+# The target as an HF directory: the user's local path, or the target rule's output.
+TARGET = config["target"]["path"] or f"{R}/target/hf"
 # The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
 TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
 # The trained drafter, declared as files (config.json + model.safetensors).
