@@ -87,3 +87,17 @@ def tokenizer(target_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="session")
+def small_decoder() -> dict:
+    """Config fields of a 4-layer decoder (vocab 64) small enough to decode exhaustively."""
+    return dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )

@@ -1,35 +1,30 @@
-"""Speculative decoding is lossless and its caches stay right, whatever the drafts."""
+"""Speculative decoding is lossless, stops like the reference, and its caches stay right,
+whatever the drafts, on both target sessions (static caches and transformers' own cache)."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.eval.decode import (
     DrafterProposer,
     DrafterSession,
+    HFSession,
     Proposer,
-    TargetSession,
+    StaticSession,
     generate,
     generate_tree,
 )
+from dflash.eval.engine import StaticTarget
 from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.objective import full_attend
 
 VOCAB, BLOCK = 64, 4
 
 
 @pytest.fixture(scope="module")
-def target():
+def target(small_decoder):
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(LlamaConfig(**small_decoder)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +34,33 @@ def drafter(target):
     return Drafter(cfg).eval()
 
 
-def session(target, drafter):
-    return TargetSession(target, drafter.config.target_layer_ids)
+@pytest.fixture(params=[StaticSession, HFSession], ids=["static", "hf"])
+def kind(request):
+    return request.param
+
+
+def session(target, drafter, kind=StaticSession):
+    return kind(target, drafter.config.target_layer_ids)
+
+
+def proposer(target, drafter):
+    return DrafterProposer(drafter, target.get_input_embeddings(), target.lm_head.weight)
 
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [3, 3, 3, 3], [10, 20, 30, 40, 50, 60, 7, 8, 9]]
 
 
-def greedy(target, drafter, prompt, n=40):
-    return generate(session(target, drafter), Proposer(), prompt, n, eos_ids=set())
+@torch.no_grad()
+def recomputed_greedy(model, prompt, n):
+    """Greedy decoding with no cache at all: the whole sequence forwarded for every token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def greedy(target, drafter, prompt, n=40, kind=StaticSession):
+    return generate(session(target, drafter, kind), Proposer(), prompt, n, eos_ids=set())
 
 
 class Oracle(Proposer):
@@ -64,25 +77,50 @@ class Oracle(Proposer):
         return [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(truth)]
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_untrained_drafter_is_lossless(target, drafter, prompt):
-    reference = greedy(target, drafter, prompt)
-    out = generate(
-        session(target, drafter),
-        DrafterProposer(drafter, target.get_input_embeddings(), target.lm_head.weight),
-        prompt,
-        40,
-        eos_ids=set(),
+@pytest.mark.parametrize("config", [LlamaConfig, Qwen3Config], ids=["llama", "qwen3"])
+def test_static_target_equals_the_transformers_forward(config, small_decoder):
+    """Logits' argmax and every selected layer's features, prompt then cached steps."""
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM if config is LlamaConfig else Qwen3ForCausalLM)(
+        config(**small_decoder)
     )
+    model.eval()
+    ids = torch.randint(0, VOCAB, (1, 14))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    layers = [0, 2]
+    expected = torch.cat([out.hidden_states[i + 1] for i in layers], -1)[0]
+    engine = StaticTarget(model, layers, capacity=32)
+    pos = torch.arange(14)[None]
+    split = 9  # a prompt, then two more steps through the cache
+    parts = [engine.forward(ids[:, :split], pos[:, :split], pos[0, :split])]
+    for lo, hi in [(split, 12), (12, 14)]:
+        parts.append(engine.forward(ids[:, lo:hi], pos[:, lo:hi], pos[0, lo:hi]))
+    tokens = torch.cat([p[0] for p in parts])
+    features = torch.cat([p[1] for p in parts])
+    assert torch.equal(tokens, out.logits[0].argmax(-1))
+    torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_target_only_decoding_equals_greedy_without_a_cache(target, drafter, kind, prompt):
+    assert greedy(target, drafter, prompt, 30, kind).tokens == recomputed_greedy(target, prompt, 30)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_untrained_drafter_is_lossless(target, drafter, kind, prompt):
+    reference = greedy(target, drafter, prompt)
+    out = generate(session(target, drafter, kind), proposer(target, drafter), prompt, 40, set())
     assert out.tokens == reference.tokens
     assert all(1 <= a <= BLOCK for a in out.accepted)
+    assert sum(out.accepted) == len(out.tokens) - 1  # every token but the prompt's is a round's
 
 
 @pytest.mark.parametrize("right", [0, 1, 2, BLOCK - 1])
-def test_partial_acceptance_crops_the_cache_and_stays_lossless(target, drafter, right):
+def test_partial_acceptance_crops_the_cache_and_stays_lossless(target, drafter, kind, right):
     prompt = PROMPTS[0]
     reference = greedy(target, drafter, prompt, 41)
-    s = session(target, drafter)
+    s = session(target, drafter, kind)
     out = generate(s, Oracle(reference.tokens, len(prompt), right), prompt, 41, eos_ids=set())
     assert out.tokens == reference.tokens
     # every full round accepts exactly `right` drafts plus the bonus
@@ -111,27 +149,114 @@ def test_generation_stops_at_eos(target, drafter):
     assert out.tokens == reference.tokens[: reference.tokens.index(eos) + 1]
 
 
-def test_drafter_cache_equals_recomputing_the_whole_context(target, drafter):
-    """Drafting after context fed in pieces (cached) == drafting after it all at once."""
+class TreeOracle(Proposer):
+    """Drafter logits that put the target's greedy continuation first at every depth."""
+
+    block_size = BLOCK
+
+    def __init__(self, continuation, prompt_len):
+        self.cont, self.prompt_len = continuation, prompt_len
+
+    def start(self, prompt, features, capacity):
+        self.seen, self.session = 0, self
+
+    def draft_logits(self, anchor, features):
+        self.seen += features.shape[0]  # committed rows so far: the anchor's index follows them
+        done = self.seen - self.prompt_len
+        truth = self.cont[1 + done : done + BLOCK]
+        logits = torch.zeros(BLOCK - 1, VOCAB)
+        logits[range(len(truth)), truth] = 10.0
+        return logits
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "ddtree"])
+def test_a_stop_token_accepted_inside_a_block_ends_decoding_there(target, drafter, tree):
+    """A perfect drafter drafts the stop token in the middle of a block: decoding ends with that
+    round, which counts the tokens up to the stop token only (the bonus after it is dropped),
+    as the reference counts it. Before, decoding ran on to max_new_tokens and counted it all."""
+    prompt = PROMPTS[1]
+    reference = greedy(target, drafter, prompt, 40).tokens
+    # A token first seen as a draft (not the bonus) of a later round: the stop token.
+    at = next(
+        i
+        for i in range(BLOCK + 1, len(reference))
+        if reference[i] not in reference[:i] and (i - 1) % BLOCK != BLOCK - 1
+    )
+    eos = reference[at]
+    rounds = [BLOCK] * ((at - 1) // BLOCK) + [(at - 1) % BLOCK + 1]
+    if tree:
+        oracle = TreeOracle(reference, len(prompt))
+        out = generate_tree(session(target, drafter), oracle, prompt, 40, {eos}, 8, topk=2)
+    else:
+        oracle = Oracle(reference, len(prompt), BLOCK - 1)
+        out = generate(session(target, drafter), oracle, prompt, 40, {eos})
+    assert out.tokens == reference[: at + 1]
+    assert out.accepted == rounds and rounds[-1] < BLOCK
+
+
+def test_max_new_tokens_caps_the_last_round(target, drafter):
+    prompt = PROMPTS[1]
+    reference = greedy(target, drafter, prompt, 40)
+    out = generate(
+        session(target, drafter), Oracle(reference.tokens, len(prompt), BLOCK - 1), prompt, 7, set()
+    )
+    assert out.tokens == reference.tokens[:7] and out.accepted == [BLOCK, 2]
+
+
+def test_static_drafter_session_equals_recomputing_the_whole_context(target, drafter):
+    """Drafting after context fed in rounds (cached, padded to B) == drafting after it all at
+    once through the training-time forward."""
     torch.manual_seed(2)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     feats = torch.randn(11, width)
     embed, head = target.get_input_embeddings(), target.lm_head.weight
     pieces = DrafterSession(drafter, embed, head)
+    pieces.reset(64)
     for chunk in (feats[:6], feats[6:9]):
         pieces.draft_logits(5, chunk)
     cached = pieces.draft_logits(7, feats[9:])
-    whole = DrafterSession(drafter, embed, head).draft_logits(7, feats)
+    block = torch.full((1, BLOCK), drafter.config.mask_token_id)
+    block[0, 0] = 7
+    with torch.no_grad():
+        hidden = drafter(
+            embed(block),
+            feats[None],
+            torch.arange(11, 11 + BLOCK)[None],
+            torch.arange(11)[None],
+            full_attend,
+        )
+    whole = hidden[0, 1:] @ head.T
     torch.testing.assert_close(cached, whole, atol=1e-5, rtol=1e-5)
-    assert len(pieces.cache) == 11
+    assert pieces.length == 11
 
 
 @pytest.mark.parametrize("budget", [1, 6, 24])
-def test_ddtree_decoding_is_lossless(target, drafter, budget):
-    proposer = DrafterProposer(drafter, target.get_input_embeddings(), target.lm_head.weight)
+def test_ddtree_decoding_is_lossless(target, drafter, kind, budget):
     for prompt in PROMPTS:
         reference = greedy(target, drafter, prompt)
-        s = session(target, drafter)
-        out = generate_tree(s, proposer, prompt, 40, set(), budget=budget, topk=4)
+        s = session(target, drafter, kind)
+        out = generate_tree(s, proposer(target, drafter), prompt, 40, set(), budget=budget, topk=4)
         assert out.tokens == reference.tokens
         assert all(1 <= a <= BLOCK for a in out.accepted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decoding_equals_transformers_decoding_on_gpu(target, drafter):
+    """On GPU the static session replays captured graphs; outputs equal the eager HF session's.
+    The last prompt outgrows the caches, so both are reallocated and their graphs recaptured
+    (into a new memory pool: the old one tripped an allocator assert in the first H200 run)."""
+    model, draft = target.to("cuda"), drafter.to("cuda")
+    try:
+        static = session(model, draft, StaticSession)
+        hf = session(model, draft, HFSession)
+        for prompt in [*PROMPTS, list(range(1, 60)) * 5]:
+            for make in (lambda: Proposer(), lambda: proposer(model, draft)):
+                fast = generate(static, make(), prompt, 40, set())
+                slow = generate(hf, make(), prompt, 40, set())
+                assert fast.tokens == slow.tokens and fast.accepted == slow.accepted
+            tree = generate_tree(static, proposer(model, draft), prompt, 40, set(), 6, 4)
+            assert tree.tokens == greedy(model, draft, prompt, 40, HFSession).tokens
+        assert static.engine.capacity == 512  # grown once, from 256
+        assert static.graphs.enabled and static.graphs.graphs  # really replayed graphs
+    finally:
+        target.to("cpu"), drafter.to("cpu")

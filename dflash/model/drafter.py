@@ -169,8 +169,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attend, past_kv=None):
-        """Returns the output and the (k, v) of the new context rows, for a KV cache."""
+    def forward(self, x, ctx, rope_q, rope_kv, attend, cache=None, layer: int = 0):
+        """Attention of the block queries over `[context; block]`. With a `cache`, the new
+        context rows' keys/values are stored and the block attends over everything cached."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)  # one projection for context and block
@@ -178,13 +179,12 @@ class Attention(nn.Module):
         k = k.transpose(1, 2)
         v = self.v_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_kv)
-        new_ctx_kv = (k[:, :, : ctx.shape[1]], v[:, :, : ctx.shape[1]])
-        if past_kv is not None:
-            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)
+        if cache is not None:
+            s = ctx.shape[1]
+            k_ctx, v_ctx = cache.update(layer, k[:, :, :s], v[:, :, :s])
+            k, v = torch.cat([k_ctx, k[:, :, s:]], dim=2), torch.cat([v_ctx, v[:, :, s:]], dim=2)
         out = attend(q, k, v)
-        return self.o_proj(
-            out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
-        ), new_ctx_kv
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -206,14 +206,14 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attend, past_kv=None):
-        h, new_kv = self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend, past_kv)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+    def forward(self, x, ctx, rope_q, rope_kv, attend, cache=None, layer: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DrafterCache:
-    """Per-layer K/V of the committed context (block rows are never cached)."""
+    """Per-layer K/V of the committed context (block rows are never cached), grown by
+    concatenation. `dflash.eval.engine.StaticDrafterCache` is the preallocated twin."""
 
     def __init__(self):
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -221,17 +221,14 @@ class DrafterCache:
     def __len__(self):
         return 0 if not self.kv else self.kv[0][0].shape[2]
 
-    def layer(self, i):
-        return self.kv[i] if self.kv else None
-
-    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]]):
-        if not self.kv:
-            self.kv = new
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the new context rows of `layer`; return all its cached keys and values."""
+        if layer == len(self.kv):
+            self.kv.append((k, v))
         else:
-            self.kv = [
-                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                for (k0, v0), (k1, v1) in zip(self.kv, new, strict=True)
-            ]
+            k0, v0 = self.kv[layer]
+            self.kv[layer] = (torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+        return self.kv[layer]
 
 
 class Drafter(nn.Module):
@@ -272,25 +269,21 @@ class Drafter(nn.Module):
         block_positions,
         ctx_positions,
         attend,
-        cache: DrafterCache | None = None,
+        cache=None,
     ):
         """Final hidden states (after `norm`) of the block tokens.
 
         block_embeds: (b, q, H) target embeddings of the block tokens; ctx_features: (b, s, n*H)
         new context features (all of them in training; only not-yet-cached ones with a cache);
-        attend(q, k, v) realises the attention mask.
+        attend(q, k, v) realises the attention mask; `cache` (a DrafterCache or a static twin)
+        keeps the context keys/values between calls.
         """
         ctx = self.hidden_norm(self.fc(ctx_features))
         x = block_embeds
         rope_q = self.rope(x, block_positions)
         rope_kv = self.rope(x, torch.cat([ctx_positions, block_positions], dim=1))
-        new_kv = []
         for i, layer in enumerate(self.layers):
-            past = cache.layer(i) if cache is not None else None
-            x, kv = layer(x, ctx, rope_q, rope_kv, attend, past)
-            new_kv.append(kv)
-        if cache is not None:
-            cache.append(new_kv)
+            x = layer(x, ctx, rope_q, rope_kv, attend, cache, i)
         return self.norm(x)
 
 

@@ -1,0 +1,178 @@
+"""Fixed-shape decoding steps: preallocated KV caches, explicit positions and masks, CUDA graphs.
+
+Batch-size-1 decoding of a small target is launch-bound: SmolLM2's 30 layers are ~450 kernel
+launches per forward, ~20 ms eager on an H200 whatever the GPU's speed. Here every step after the
+prompt has a fixed shape (1 token, the verified block, or the tree budget), the caches never move
+(a rejected draft is dropped by moving the length back; its stale rows are masked and later
+overwritten), and on CUDA each step shape is captured once as a CUDA graph and replayed.
+
+The target's decoder is run layer by layer from its own Hugging Face modules (norms, projections,
+rotary embedding, MLP), with the attention written here over the static cache: transformers'
+cache classes changed their interface between 5.17 and 5.24, and the tree mask needs exact
+control of which cache rows each query sees. Architectures with that standard layout are listed
+in `STATIC_TYPES`; others decode through transformers' own cache (`dflash.eval.decode`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.model.drafter import apply_rope
+
+log = logging.getLogger(__name__)
+
+# Pre-norm decoders whose attention is q/k/v/o projections (+ optional q/k RMSNorm) with RoPE.
+STATIC_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+
+
+def supports_static(model: nn.Module) -> bool:
+    config = model.config
+    window = (
+        getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True)
+        else None
+    )
+    return config.model_type in STATIC_TYPES and window is None
+
+
+class StaticTarget:
+    """The target's forward over a preallocated KV cache of `capacity` rows.
+
+    `forward(ids, positions, slots, mask)` writes the keys/values of `ids` into cache rows `slots`
+    and lets query i see the rows where `mask[..., i, :]` is True (None: the causal rule
+    row <= position, for steps whose rows equal their positions). Pure tensor work, no host sync:
+    safe to capture in a CUDA graph.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], capacity: int):
+        if not supports_static(model):
+            raise ValueError(f"model type {model.config.model_type!r} has no static decoder here")
+        self.model, self.layer_ids = model, sorted(layer_ids)
+        self.decoder = model.get_decoder()
+        config = model.config
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        weight = model.get_input_embeddings().weight
+        shape = (1, config.num_key_value_heads, capacity, self.head_dim)
+        self.keys = [
+            torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            for _ in self.decoder.layers
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.capacity = capacity
+        self.rows = torch.arange(capacity, device=weight.device)
+
+    @torch.no_grad()
+    def forward(self, ids, positions, slots, mask=None, last_only: bool = False):
+        """(argmax next token per query (q,), features (q, n*H)) of ids (1, q); with
+        `last_only` the LM head runs on the last query alone (a prompt: q x vocab logits of a
+        long one would take gigabytes)."""
+        if mask is None:
+            mask = (self.rows[None] <= positions[0][:, None])[None, None]
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x, positions)
+        features = []
+        q_len = ids.shape[1]
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, q_len, -1, self.head_dim)
+            k = attn.k_proj(h).view(1, q_len, -1, self.head_dim)
+            v = attn.v_proj(h).view(1, q_len, -1, self.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+            self.keys[i].index_copy_(2, slots, k)
+            self.values[i].index_copy_(2, slots, v)
+            out = F.scaled_dot_product_attention(
+                q, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling, enable_gqa=True
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.layer_ids:
+                features.append(x)
+        logits = self.model.lm_head(self.decoder.norm(x[:, -1:] if last_only else x))
+        return logits[0].argmax(-1), torch.cat(features, dim=-1)[0]
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy cache rows `src` to rows `dst` in every layer (a verified tree's accepted path)."""
+        for cache in (*self.keys, *self.values):
+            cache[:, :, dst] = cache[:, :, src]
+
+
+class StaticDrafterCache:
+    """The drafter's context keys/values in preallocated rows; `slots` says where the next
+    context rows go (set before each call). Rows past the valid length are masked by the caller."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slots: torch.Tensor | None = None
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer == len(self.kv):
+            shape = (*k.shape[:2], self.capacity, k.shape[3])
+            self.kv.append((k.new_zeros(shape), v.new_zeros(shape)))
+        keys, values = self.kv[layer]
+        keys.index_copy_(2, self.slots, k)
+        values.index_copy_(2, self.slots, v)
+        return keys, values
+
+
+class CudaGraphs:
+    """Runs `fn(*inputs)` as one CUDA graph per `key` (the step's shape): the first call of a key
+    runs it eagerly on a side stream (as capture requires), captures it and replays it; later
+    calls copy their inputs into the captured ones and replay. Outputs are cloned, since the
+    next replay reuses their memory. On other devices, with `DFLASH_CUDA_GRAPHS=0`, or once a
+    capture has failed (logged), it simply calls `fn`.
+
+    `fn` must be idempotent for equal inputs (it is replayed after the warm-up run) and must not
+    synchronise with the host.
+    """
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda" and os.environ.get("DFLASH_CUDA_GRAPHS", "1") != "0"
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def __call__(self, key, fn, *inputs):
+        if not self.enabled:
+            return fn(*inputs)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(fn, inputs)
+            except RuntimeError as e:  # decode eagerly rather than fail an evaluation
+                log.warning("CUDA graph capture failed (%s); decoding eagerly", e)
+                self.enabled = False
+                return fn(*inputs)
+        graph, static, outputs = self.graphs[key]
+        for buffer, x in zip(static, inputs, strict=True):
+            buffer.copy_(x)
+        graph.replay()
+        return tuple(o.clone() for o in outputs)
+
+    def _capture(self, fn, inputs):
+        static = [x.clone() for x in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*static)
+        return graph, static, outputs
+
+    def clear(self) -> None:
+        """Drop every graph (their buffers are about to be replaced). Later captures use a new
+        memory pool: capturing into a pool whose graphs were all freed trips an internal assert
+        of PyTorch's caching allocator (`use_count > 0`, seen with torch 2.11 on an H200)."""
+        self.graphs.clear()
+        if self.enabled:
+            self.pool = torch.cuda.graph_pool_handle()
