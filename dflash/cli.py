@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="resumable checkpoints (not a declared output)",
     )
+    p.add_argument(
+        "--held-out",
+        type=Path,
+        help="tokenized eval split: tau_sim is logged on its first train.tau_sim.rows rows",
+    )
     p.set_defaults(stage="dflash.train.loop:run")
 
     p = _add_decoding(sub, "eval", "speculative decoding of the drafter and baselines")

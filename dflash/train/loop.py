@@ -36,6 +36,7 @@ from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, resolve_attention
 from dflash.model.target import TargetFeatures, load_embeddings, load_target
+from dflash.model.tau_sim import simulate, tau_macro
 from dflash.train import TRAINING_CODE, comm
 from dflash.train.checkpoint import (
     check_contract,
@@ -152,6 +153,27 @@ class FeatureModel:
         return feats, time.perf_counter() - t0
 
 
+class HeldOut:
+    """The fixed held-out slice `tau_sim` is logged on: the first rows of the tokenized eval
+    split and their target features, computed once (by a target loaded for the purpose when this
+    rank has none) and kept on the host."""
+
+    def __init__(self, path: Path, rows: int, model: FeatureModel):
+        frame = pl.read_parquet(path).head(rows)
+        self.rows = []
+        for ids, mask in zip(frame["input_ids"], frame["loss_mask"], strict=True):
+            ids_t = torch.tensor([list(ids)], device=model.device)
+            feats, _ = model(ids_t, torch.ones_like(ids_t))
+            self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
+
+    def tau_sim(self, drafter, embed, head, dtype: torch.dtype) -> float | None:
+        """Simulated real-decoding τ of the drafter as it is now (whole responses)."""
+        device = head.device
+        rows = ((f.to(device, dtype), ids, mask) for f, ids, mask in self.rows)
+        autocast = torch.bfloat16 if device.type == "cuda" else None
+        return tau_macro(simulate(drafter, embed, head, rows, autocast=autocast))
+
+
 class Trace:
     """Per-rank event log (one line per batch): routing, waits and queue depth over time."""
 
@@ -243,7 +265,15 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
 class Trainer:
     """A drafter rank."""
 
-    def __init__(self, ctx: comm.Dist, config: dict, target_dir: Path, batches, checkpoints):
+    def __init__(
+        self,
+        ctx: comm.Dist,
+        config: dict,
+        target_dir: Path,
+        batches,
+        checkpoints,
+        held_out: Path | None = None,
+    ):
         self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
         t, d, data = config["train"], config["drafter"], config["data"]
         self.topo = ctx.topology
@@ -258,6 +288,16 @@ class Trainer:
             self.target = None
             embed, head = load_embeddings(target_dir, target_dtype(self.device), self.device)
             self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
+        self.embed, self.head = embed, head
+        self.held_out = None
+        if held_out is not None and t["tau_sim"]["every"] > 0 and ctx.rank == 0:
+            model = self.target or FeatureModel(
+                target_dir, self.dcfg.target_layer_ids, self.device, config
+            )
+            self.held_out = HeldOut(held_out, t["tau_sim"]["rows"], model)
+            del model
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         torch.manual_seed(config["seed"])  # every drafter starts from the same weights
         self.drafter = Drafter(self.dcfg).to(self.device)
         gamma = d["gamma"] or default_gamma(d["block_size"])
@@ -457,7 +497,10 @@ class Trainer:
                 grad_norm = self.optimizer_step()
                 sync(self.device)
                 window.time["optimizer"] += time.perf_counter() - t2
-                self.log_step(window, metrics, i, lr, grad_norm, live)
+                sim_started = time.perf_counter()
+                tau_sim = self.simulated_tau()
+                window.start += time.perf_counter() - sim_started  # not training time
+                self.log_step(window, metrics, i, lr, grad_norm, live, tau_sim)
                 window, metrics = Window(), []
                 if self.step % t["checkpoint_every"] == 0 and self.position != usable:
                     self.checkpoint()
@@ -478,7 +521,18 @@ class Trainer:
         self.step += 1
         return float(norm)
 
-    def log_step(self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path):
+    def simulated_tau(self) -> float | None:
+        """tau_sim on the held-out slice every `train.tau_sim.every` steps and at the last."""
+        if self.held_out is None:
+            return None
+        every = self.config["train"]["tau_sim"]["every"]
+        if self.step % every and self.step != self.total_steps:
+            return None
+        return self.held_out.tau_sim(self.drafter, self.embed, self.head, self.compute_dtype)
+
+    def log_step(
+        self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path, tau_sim
+    ):
         mean = {
             "loss": statistics.fmean(m["loss"] for m in metrics),
             "tau": statistics.fmean(m["tau"] for m in metrics),
@@ -497,6 +551,8 @@ class Trainer:
             **step_record(list(windows), self.topo, list(means)),
             "host": self.host.window(),
         }
+        if tau_sim is not None:
+            record["tau_sim"] = tau_sim
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.progress(record)
@@ -504,9 +560,10 @@ class Trainer:
     def progress(self, record: dict) -> None:
         queue = record.get("queue_depth")
         depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
+        sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
         line = (
             f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
-            f"tau {record['tau']:.3f} lr {record['lr']:.2e} "
+            f"tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:.0f} tok/s{depth}"
         )
         if sys.stderr.isatty():
@@ -559,7 +616,7 @@ def _run(ctx: comm.Dist, args) -> None:
     if ctx.role[0] == "target":
         serve_features(ctx, config, args.target, batches, args.checkpoints)
         return
-    trainer = Trainer(ctx, config, args.target, batches, args.checkpoints)
+    trainer = Trainer(ctx, config, args.target, batches, args.checkpoints, args.held_out)
     trainer.fit()
     if ctx.rank != 0:
         return

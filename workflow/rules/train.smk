@@ -27,9 +27,17 @@ def launcher():
     )
 
 
+def held_out_rows(wildcards):
+    """The tokenized eval split, read for tau_sim when there is one and it is on."""
+    if "eval" in SPLITS and config["train"]["tau_sim"]["every"] > 0:
+        return {"held_out": f"{R}/data/tokenized/eval.parquet"}
+    return {}
+
+
 rule train:
     """Train the drafter; write it in the public DFlash HF layout, per-step metrics and a summary."""
     input:
+        unpack(held_out_rows),
         data=f"{R}/data/tokenized/train.parquet",
         target=target_input(),
         warmup=f"{R}/compile/warmup.json",
@@ -47,6 +55,9 @@ rule train:
         config=config_json(*TRAINING_CONFIG),
         launch=launcher(),
         checkpoints=f"{R}/checkpoints",
+        held_out=lambda wildcards, input: (
+            f"--held-out {input.held_out}" if "held_out" in input.keys() else ""
+        ),
         target=target_fingerprint(),
         cache=COMPILE_CACHE,
         code=code_hash(*TRAINING_CODE),
@@ -56,5 +67,5 @@ rule train:
         " OMP_NUM_THREADS=$(( {threads} / {WORLD} > 0 ? {threads} / {WORLD} : 1 ))"
         " {params.launch} -m dflash train"
         " --config {params.config:q} --target {TARGET} --data {input.data}"
-        " --out {DRAFTER} --metrics {output.metrics} --summary {output.summary}"
+        " --out {DRAFTER} --metrics {output.metrics} --summary {output.summary} {params.held_out}"
         " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
