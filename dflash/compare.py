@@ -176,17 +176,17 @@ def effects(a: dict, b: dict) -> list[dict]:
                 "evidence": evidence,
             }
         )
-    qa, qb = _get(a, "eval.quality.tau_pooled.drafter"), _get(b, "eval.quality.tau_pooled.drafter")
+    qa, qb = _get(a, "eval.quality.tau_macro.drafter"), _get(b, "eval.quality.tau_macro.drafter")
     if qa is not None and qb is not None:
         evidence = []
-        for key in ("teacher_forced_tau", "lossless"):
+        for key in ("tau_pooled.drafter", "tau_sim", "teacher_forced_tau", "lossless"):
             va, vb = _get(a, f"eval.quality.{key}"), _get(b, f"eval.quality.{key}")
             if va != vb:
-                evidence.append(f"{key}: {_change(va, vb)}")
+                evidence.append(f"{key.split('.')[0]}: {_change(va, vb)}")
         out.append(
             {
                 "metric": "tau",
-                "label": "τ (pooled acceptance length)",
+                "label": "τ (acceptance length, macro mean over prompts)",
                 "a": qa,
                 "b": qb,
                 "change_pct": _pct(qa, qb),

@@ -132,7 +132,12 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
     peaks = [d.get("peak_memory_gb") for m in metrics for d in m.get("drafters", [])]
     throughput["peak_memory_gb"] = max((p for p in peaks if p is not None), default=None)
     return {
-        "result": {"steps": last.get("step", 0), "loss": last.get("loss"), "tau": last.get("tau")},
+        "result": {
+            "steps": last.get("step", 0),
+            "loss": last.get("loss"),
+            "tau": last.get("tau"),
+            "tau_sim": next((m["tau_sim"] for m in reversed(metrics) if "tau_sim" in m), None),
+        },
         "throughput": throughput,
     }
 
@@ -142,10 +147,11 @@ def eval_summary(acceptance: dict, ddtree: dict) -> dict:
     trees = {str(r["budget"]): r for r in ddtree["results"]}
     return {
         "quality": {
-            "tau_pooled": {name: m["tau_pooled"] for name, m in methods.items()},
             "tau_macro": {name: m["tau_macro"] for name, m in methods.items()},
+            "tau_pooled": {name: m["tau_pooled"] for name, m in methods.items()},
+            "tau_sim": (acceptance.get("tau_sim") or {}).get("tau_sim"),
             "teacher_forced_tau": acceptance["teacher_forced_tau"],
-            "ddtree_tau": {b: r["tau_pooled"] for b, r in trees.items()},
+            "ddtree_tau": {b: r["tau_macro"] for b, r in trees.items()},
             "lossless": min(acceptance["lossless"], ddtree["lossless"]),
             "n_prompts": acceptance["n_prompts"],
         },

