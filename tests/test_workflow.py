@@ -152,6 +152,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert 1.0 <= acc["tau_macro"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
     sim = acc["tau_sim"]  # the held-out prompts' regenerated rows, walked as decoding walks
     assert sim["rows"] == 2 and 1.0 <= sim["tau_sim"] <= 8.0 and sim["gap_pct"] is not None
+    assert sim["matching_rows"]["rows"] + sim["diverged_rows"] == 2
     metrics = [
         json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
     ]

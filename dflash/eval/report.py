@@ -150,12 +150,20 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         f"{acceptance['speedup']:.2f}x over the target alone; lossless {acceptance['lossless']:.2f}.",
     ]
     if sim.get("tau_sim") is not None:
+        match = sim["matching_rows"]
+        on_matching = (
+            f" (on the other {match['rows']}: tau_sim {match['tau_sim']:.3f}, real "
+            f"{match['tau_macro']:.3f})"
+            if match["rows"]
+            else ""
+        )
         lines.append(
             f"Predicted from teacher forcing on {sim['rows']} held-out rows: tau_sim "
             f"{sim['tau_sim']:.3f} vs real {sim['tau_macro']:.3f} on the same prompts "
             f"({sim['gap_pct']:+.1f} %); {sim['diverged_rows']} of those rows' regenerated "
-            "responses differ from the eval's own greedy continuation. Acceptance averaged over "
-            f"random anchors (the training loss's τ): {acceptance['teacher_forced_tau']:.3f}."
+            f"responses differ from the eval's own greedy continuation{on_matching}. "
+            "Acceptance averaged over random anchors (the training loss's τ): "
+            f"{acceptance['teacher_forced_tau']:.3f}."
         )
     lines += [
         "",
