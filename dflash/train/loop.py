@@ -288,7 +288,6 @@ class Trainer:
             self.target = None
             embed, head = load_embeddings(target_dir, target_dtype(self.device), self.device)
             self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
-        self.embed, self.head = embed, head
         self.held_out = None
         if held_out is not None and t["tau_sim"]["every"] > 0 and ctx.rank == 0:
             model = self.target or FeatureModel(
@@ -528,7 +527,10 @@ class Trainer:
         every = self.config["train"]["tau_sim"]["every"]
         if self.step % every and self.step != self.total_steps:
             return None
-        return self.held_out.tau_sim(self.drafter, self.embed, self.head, self.compute_dtype)
+        step = self.step_fn
+        return self.held_out.tau_sim(
+            self.drafter, step.embed_tokens, step.head_weight, self.compute_dtype
+        )
 
     def log_step(
         self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path, tau_sim
