@@ -35,10 +35,10 @@ from dflash.eval.decode import (  # noqa: E402
     StaticSession,
     generate,
 )
-from dflash.eval.engine import supports_static  # noqa: E402
 from dflash.eval.metrics import acceptance  # noqa: E402
 from dflash.eval.run import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
 from dflash.model.drafter import Drafter, DrafterConfig, load_drafter  # noqa: E402
+from dflash.model.engine import supports_static  # noqa: E402
 
 SESSIONS = {"hf": HFSession, "static": StaticSession}
 

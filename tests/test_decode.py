@@ -14,8 +14,8 @@ from dflash.eval.decode import (
     generate,
     generate_tree,
 )
-from dflash.eval.engine import StaticTarget
 from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.engine import StaticTarget
 from dflash.model.objective import full_attend
 
 VOCAB, BLOCK = 64, 4

@@ -14,19 +14,20 @@ from dflash.data.regenerate import in_shard
 
 pytestmark = pytest.mark.slow
 
-CONFIG = json.dumps(
-    {"data": {"regenerate": {"max_new_tokens": 24, "batch_size": 2, "dtype": "bfloat16"}}}
-)
+
+def config(engine: str) -> str:
+    regen = {"max_new_tokens": 24, "batch_size": 2, "dtype": "bfloat16", "engine": engine}
+    return json.dumps({"data": {"regenerate": regen}})
 
 
-def regenerate(target, rows, out, workdir, **popen):
+def regenerate(target, rows, out, workdir, engine="hf", **popen):
     cmd = [
         sys.executable,
         "-m",
         "dflash",
         "regenerate",
         "--config",
-        CONFIG,
+        config(engine),
         "--target",
         str(target),
         "--input",
@@ -39,24 +40,27 @@ def regenerate(target, rows, out, workdir, **popen):
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
 
 
-def test_killed_run_resumes_without_loss_or_duplication(tiny_workflow, target_dir, tmp_path):
+@pytest.mark.parametrize("engine, part", [("hf", "batch"), ("static", "done")])
+def test_killed_run_resumes_without_loss_or_duplication(
+    tiny_workflow, target_dir, tmp_path, engine, part
+):
     rows = tiny_workflow.results / "data" / "expanded" / "train.parquet"
-    assert pl.read_parquet(rows).height == 6  # three batches of two
+    assert pl.read_parquet(rows).height == 6  # three parts of two
 
-    clean = regenerate(target_dir, rows, tmp_path / "clean.parquet", tmp_path / "w1")
+    clean = regenerate(target_dir, rows, tmp_path / "clean.parquet", tmp_path / "w1", engine)
     assert clean.wait() == 0, clean.stderr.read()
 
-    run = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2")
+    run = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2", engine)
     deadline = time.time() + 300
-    while not list((tmp_path / "w2").rglob("batch-00000.jsonl")) and time.time() < deadline:
+    while not list((tmp_path / "w2").rglob(f"{part}-00000.jsonl")) and time.time() < deadline:
         time.sleep(0.05)
     run.send_signal(signal.SIGKILL)
     run.wait()
-    finished = sorted(p.name for p in (tmp_path / "w2").rglob("batch-*.jsonl"))
+    finished = sorted(p.name for p in (tmp_path / "w2").rglob(f"{part}-*.jsonl"))
     assert finished and len(finished) < 3, f"kill came too late to test resume: {finished}"
     assert not (tmp_path / "resumed.parquet").exists()
 
-    resumed = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2")
+    resumed = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2", engine)
     assert resumed.wait() == 0, resumed.stderr.read()
     a = pl.read_parquet(tmp_path / "clean.parquet")
     b = pl.read_parquet(tmp_path / "resumed.parquet")
@@ -93,3 +97,38 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
     for row in uncut.iter_rows(named=True):
         last = frame.filter(pl.col("id") == row["id"]).row(0, named=True)["turn_token_ids"][-1]
         assert row["input_ids"][-len(last) :] == last  # exactly as generated
+
+
+def test_static_engine_regenerates_what_transformers_generate_does(target_dir, tiny_workflow):
+    """fp32 greedy: the refilled static batch gives every turn of every conversation the same
+    tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
+    refilled) and a turn whose prompt fills max_prompt ending its conversation in both."""
+    from dflash.data.expand import read_rows
+    from dflash.data.regenerate import (
+        Generator,
+        _prompt_ids,
+        regenerate_batch,
+        regenerate_continuous,
+    )
+    from dflash.model.engine import BatchedGreedy
+
+    rows = read_rows(tiny_workflow.results / "data" / "expanded" / "train.parquet")
+    rows += read_rows(tiny_workflow.results / "data" / "expanded" / "eval.parquet")
+    assert sum(r["conversations"][-1]["role"] == "assistant" for r in rows) == len(rows)
+    assert any(len(r["conversations"]) > 2 for r in rows)  # multi-turn rows are in
+    gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10)
+    prompt_lengths = sorted(len(_prompt_ids(gen.tokenizer, r["conversations"][:-1])) for r in rows)
+    max_prompt = prompt_lengths[-2]  # the longest last turn does not fit
+
+    convs, hf_tokens = regenerate_batch(gen, rows, max_prompt)
+    expected = {c.row["id"]: c.result() for c in convs}
+    assert sum(c.dropped_turns for c in convs) >= 1
+    assert any(len(c.turn_ids) > 1 for c in convs)  # a later turn answered after the first
+
+    got = {}
+    engine = BatchedGreedy(gen.model, batch=3, capacity=max_prompt + 10)
+    tokens = regenerate_continuous(
+        gen, engine, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result())
+    )
+    assert got == expected
+    assert tokens == hf_tokens > 0

@@ -11,7 +11,7 @@ reference does. The same loop with no drafts is plain greedy decoding of the tar
 every output is checked against (lossless) and what speedups are measured against.
 
 Two target sessions share one interface: `StaticSession` (preallocated caches, fixed-shape steps,
-CUDA graphs on GPU; `dflash.eval.engine`) for the common decoder layouts, and `HFSession`
+CUDA graphs on GPU; `dflash.model.engine`) for the common decoder layouts, and `HFSession`
 (transformers' DynamicCache) for any other causal LM.
 """
 
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.eval import ddtree
-from dflash.eval.engine import CudaGraphs, StaticDrafterCache, StaticTarget, supports_static
 from dflash.model.drafter import Drafter
+from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget, supports_static
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -213,7 +213,7 @@ class Layer(nn.Module):
 
 class DrafterCache:
     """Per-layer K/V of the committed context (block rows are never cached), grown by
-    concatenation. `dflash.eval.engine.StaticDrafterCache` is the preallocated twin."""
+    concatenation. `dflash.model.engine.StaticDrafterCache` is the preallocated twin."""
 
     def __init__(self):
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []

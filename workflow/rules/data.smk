@@ -63,7 +63,7 @@ rule regenerate_shard:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=config_json("data.regenerate"),
+        config=config_json("data.regenerate", "data.max_length"),
         target=target_fingerprint(),
         workdir=f"{R}/work/regenerate/{{split}}",
         code=code_hash("dflash.data.regenerate"),

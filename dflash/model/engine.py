@@ -40,6 +40,22 @@ def supports_static(model: nn.Module) -> bool:
     return config.model_type in STATIC_TYPES and window is None
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _qkv(attn: nn.Module, h: torch.Tensor, cos, sin, head_dim: int):
+    """Queries, keys, values (b, heads, n, head_dim) of a decoder layer's normed input h (b, n, H),
+    rotated to their positions, as the Hugging Face attention module computes them."""
+    b, n = h.shape[:2]
+    q = attn.q_proj(h).view(b, n, -1, head_dim)
+    k = attn.k_proj(h).view(b, n, -1, head_dim)
+    v = attn.v_proj(h).view(b, n, -1, head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+
 class StaticTarget:
     """The target's forward over a preallocated KV cache of `capacity` rows.
 
@@ -55,9 +71,7 @@ class StaticTarget:
         self.model, self.layer_ids = model, sorted(layer_ids)
         self.decoder = model.get_decoder()
         config = model.config
-        self.head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        self.head_dim = head_dim(config)
         weight = model.get_input_embeddings().weight
         shape = (1, config.num_key_value_heads, capacity, self.head_dim)
         self.keys = [
@@ -81,13 +95,7 @@ class StaticTarget:
         q_len = ids.shape[1]
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, q_len, -1, self.head_dim)
-            k = attn.k_proj(h).view(1, q_len, -1, self.head_dim)
-            v = attn.v_proj(h).view(1, q_len, -1, self.head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
             self.keys[i].index_copy_(2, slots, k)
             self.values[i].index_copy_(2, slots, v)
             out = F.scaled_dot_product_attention(
@@ -176,3 +184,97 @@ class CudaGraphs:
         self.graphs.clear()
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
+
+
+class BatchedGreedy:
+    """Greedy decoding of `batch` independent sequences over one preallocated KV cache.
+
+    `prefill(row, prompt)` puts a sequence into a free row and returns its first token; `step()`
+    advances every row by one token. A row's tokens depend only on its own prompt: the step's
+    shape never changes, and each prompt is prefilled alone, padded to a multiple of
+    `PREFILL_STEP` (padding sits after the prompt, so causal attention never sees it). Rows can
+    therefore be refilled as they finish (no waiting for the batch's longest), and a resumed
+    regeneration produces the same tokens as an uninterrupted one. On CUDA both steps replay CUDA
+    graphs (one per padded prompt width).
+    """
+
+    PREFILL_STEP = 64
+
+    def __init__(self, model: nn.Module, batch: int, capacity: int):
+        if not supports_static(model):
+            raise ValueError(f"model type {model.config.model_type!r} has no static decoder here")
+        self.model, self.decoder = model, model.get_decoder()
+        self.batch, self.capacity = batch, capacity
+        self.head_dim = head_dim(model.config)
+        weight = model.get_input_embeddings().weight
+        self.device = weight.device
+        shape = (batch, model.config.num_key_value_heads, capacity, self.head_dim)
+        self.keys = [weight.new_zeros(shape) for _ in self.decoder.layers]
+        self.values = [weight.new_zeros(shape) for _ in self.decoder.layers]
+        self.cache_rows = torch.arange(capacity, device=self.device)
+        self.batch_rows = torch.arange(batch, device=self.device)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.graphs = CudaGraphs(self.device)
+
+    def prefill(self, row: int, prompt: list[int]) -> int:
+        n = len(prompt)
+        if n >= self.capacity:
+            raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.capacity}")
+        width = min(-(-n // self.PREFILL_STEP) * self.PREFILL_STEP, self.capacity)
+        ids = torch.zeros(1, width, dtype=torch.long)
+        ids[0, :n] = torch.tensor(prompt)
+        where = torch.tensor([row, n])
+        ids, where = ids.to(self.device), where.to(self.device)
+        (token,) = self.graphs(("prefill", width), self._prefill, ids, where)
+        self.tokens[row], self.positions[row] = token[0], n
+        return int(token[0])
+
+    def step(self) -> list[int]:
+        """The next token of every row (rows without a sequence produce garbage, ignored)."""
+        (tokens,) = self.graphs(("step",), self._step, self.tokens, self.positions)
+        self.tokens.copy_(tokens)
+        self.positions.add_(1).clamp_(max=self.capacity - 1)  # idle rows must stay in bounds
+        return tokens.tolist()
+
+    @torch.no_grad()
+    def _prefill(self, ids, where):
+        row, n = where[:1], where[1:]
+        positions = self.cache_rows[None, : ids.shape[1]]
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x, positions)
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            self.keys[i][:, :, : ids.shape[1]].index_copy_(0, row, k)
+            self.values[i][:, :, : ids.shape[1]].index_copy_(0, row, v)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True
+            )
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, ids.shape[1], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x.index_select(1, n - 1)
+        return (self.model.lm_head(self.decoder.norm(last))[:, 0].argmax(-1),)
+
+    @torch.no_grad()
+    def _step(self, tokens, positions):
+        x = self.decoder.embed_tokens(tokens[:, None])
+        cos, sin = self.decoder.rotary_emb(x, positions[:, None])
+        # each row sees its own cache rows up to its position; later rows are a previous
+        # sequence's leftovers
+        mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            self.keys[i][self.batch_rows, :, positions] = k[:, :, 0]
+            self.values[i][self.batch_rows, :, positions] = v[:, :, 0]
+            # one query per row: fold the query heads sharing a key head into the query axis,
+            # so grouped-query attention reads the cache once instead of copying it per head
+            kv_heads = k.shape[1]
+            grouped = q.reshape(self.batch, kv_heads, -1, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                grouped, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling
+            )
+            x = x + attn.o_proj(out.reshape(self.batch, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return (self.model.lm_head(self.decoder.norm(x))[:, 0].argmax(-1),)
