@@ -194,7 +194,7 @@ def test_held_out_keeps_system_and_first_user_turn(tmp_path):
     ]
     rows = []
     for record in records:  # the same steps as expand.collect
-        turns = clean(to_turns(record), None)
+        turns, _ = clean(to_turns(record), None)
         rows.append({"id": conversation_id(turns), "source": "s", "conversations": turns})
     path = tmp_path / "eval.parquet"
     write_rows(rows, path)

@@ -13,6 +13,14 @@ from dflash.data.sources import DataError
 from dflash.wheels import WheelError, fetch_wheel
 
 
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text):
+    return {"role": "assistant", "content": text}
+
+
 def conv(q, a):
     return {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
 
@@ -52,27 +60,34 @@ def messy(tmp_path):
         json.dumps({"conversations": [{"from": "robot", "value": "x"}]}),  # unknown_role
         json.dumps({"text": "x"}),  # unknown_shape
         json.dumps({"conversations": []}),  # empty
-        json.dumps(conv("q", "  ")),  # empty_turn
-        json.dumps({"conversations": [{"from": "gpt", "value": "a"}]}),  # bad_turn_order
+        json.dumps(conv("q", "  ")),  # no_assistant once the blank answer is removed
+        json.dumps(  # bad_turn_order: a system turn in mid-conversation
+            {"messages": [user("q"), {"role": "system", "content": "s"}, bot("a")]}
+        ),
         json.dumps({"conversations": [{"from": "human", "value": "q"}]}),  # no_assistant
         json.dumps(conv("q" * 50, "a")),  # too_long with max_chars=40
+        json.dumps({"messages": [bot("hello"), user("q4"), bot("a4")]}),  # repaired, kept
+        json.dumps({"messages": [user("q5"), user("more"), bot("a5")]}),  # repaired, kept
     ]
     return write_lines(tmp_path / "messy.jsonl", lines)
 
 
 def test_every_drop_reason_is_counted(messy):
     rows, report = collect(data_config(messy, on_bad_row="skip", max_chars=40), messy.parent)
-    assert [r["conversations"][0]["content"] for r in rows] == ["q1", "q2", "q3"]
+    firsts = [r["conversations"][0]["content"] for r in rows]
+    assert firsts == ["q1", "q2", "q3", "q4", "q5\n\nmore"]
     source = report["s"]
-    assert source["rows_read"] == 16 and source["rows_kept"] == 3
+    assert source["rows_read"] == 18 and source["rows_kept"] == 5
+    assert source["assistant_turns_kept"] == 5
+    assert source["repaired"] == {"leading_assistant_dropped": 1, "same_role_merged": 1}
+    assert "messy.jsonl: line 17" in source["repair_examples"]["leading_assistant_dropped"][0]
     assert source["dropped"] == {
         "bad_turn_order": 1,
         "duplicate": 1,
         "empty": 1,
-        "empty_turn": 1,
         "malformed_json": 1,
         "missing_key": 1,
-        "no_assistant": 1,
+        "no_assistant": 2,
         "not_an_object": 1,
         "not_utf8": 1,
         "too_long": 1,

@@ -43,8 +43,8 @@ def test_alpaca_shape():
 
 
 def test_same_conversation_same_id_across_shapes():
-    a = clean(to_turns({"instruction": "Hi", "output": "Hello!"}), None)
-    b = clean(
+    a, _ = clean(to_turns({"instruction": "Hi", "output": "Hello!"}), None)
+    b, _ = clean(
         to_turns(
             {
                 "messages": [
@@ -89,9 +89,9 @@ def bot(text):
     [
         ([], "empty"),
         ([user(" "), bot("")], "empty"),
-        ([user("a"), bot(" ")], "empty_turn"),
-        ([bot("a"), user("b")], "bad_turn_order"),
-        ([user("a"), user("b"), bot("c")], "bad_turn_order"),
+        ([user("a"), bot(" ")], "no_assistant"),  # the blank answer is removed
+        ([bot("a"), user("b")], "no_assistant"),  # the opener is dropped, b has no answer
+        ([user("a"), {"role": "system", "content": "s"}, bot("c")], "bad_turn_order"),
         ([user("a")], "no_assistant"),
     ],
 )
@@ -103,5 +103,34 @@ def test_clean_drop_reasons(turns, reason):
 
 def test_clean_keeps_first_rounds_and_drops_unanswered_tail():
     turns = [user("1"), bot("a"), user("2"), bot("b"), user("3")]
-    assert clean(turns, None) == turns[:4]
-    assert clean(turns, 1) == turns[:2]
+    assert clean(turns, None) == (turns[:4], [])
+    assert clean(turns, 1) == (turns[:2], [])
+
+
+@pytest.mark.parametrize(
+    "turns, repaired, fixes",
+    [
+        (  # ShareGPT's commonest fault: the export starts with the assistant's reply
+            [bot("hi"), user("q"), bot("a")],
+            [user("q"), bot("a")],
+            ["leading_assistant_dropped"],
+        ),
+        (
+            [{"role": "system", "content": "s"}, bot("hi"), user("q"), bot("a")],
+            [{"role": "system", "content": "s"}, user("q"), bot("a")],
+            ["leading_assistant_dropped"],
+        ),
+        (  # a question sent in two messages, an answer split in two
+            [user("q1"), user("q2"), bot("a1"), bot("a2"), user("r"), bot("b")],
+            [user("q1\n\nq2"), bot("a1\n\na2"), user("r"), bot("b")],
+            ["same_role_merged"],
+        ),
+        (  # a blank user turn between two answers: removed, the answers merged
+            [user("q"), bot("a1"), user("  "), bot("a2")],
+            [user("q"), bot("a1\n\na2")],
+            ["blank_turn_removed", "same_role_merged"],
+        ),
+    ],
+)
+def test_repairs_are_made_and_named(turns, repaired, fixes):
+    assert clean(turns, None) == (repaired, fixes)

@@ -36,13 +36,19 @@ CONVERSATION = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
 
 def _row_problem(row, max_turns):
-    """(turns, None) for a usable row, (None, BadRow) otherwise."""
+    """(turns, repairs, None) for a usable row, (None, [], BadRow) otherwise."""
     if row.record is None:
-        return None, BadRow(row.problem, row.detail)
+        return None, [], BadRow(row.problem, row.detail)
     try:
-        return clean(to_turns(row.record), max_turns), None
+        return *clean(to_turns(row.record), max_turns), None
     except BadRow as bad:
-        return None, bad
+        return None, [], bad
+
+
+def _note(counts: Counter, examples: dict, reason: str, example: str) -> None:
+    counts[reason] += 1
+    if len(examples.setdefault(reason, [])) < EXAMPLES_PER_REASON:
+        examples[reason].append(example)
 
 
 def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
@@ -56,12 +62,14 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
         info = SourceInfo(label=spec["name"])
         dropped: Counter[str] = Counter()
         examples: dict[str, list[str]] = {}
-        read = 0
+        repaired: Counter[str] = Counter()
+        repair_examples: dict[str, list[str]] = {}
+        read = assistant_turns = 0
         for raw in read_source(spec, cache_dir, info):
             if spec.get("max_rows") is not None and read >= spec["max_rows"]:
                 break
             read += 1
-            turns, bad = _row_problem(raw, data_cfg["max_turns"])
+            turns, repairs, bad = _row_problem(raw, data_cfg["max_turns"])
             if bad is None and max_chars is not None:
                 chars = sum(len(t["content"]) for t in turns)
                 if chars > max_chars:
@@ -75,12 +83,12 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
                     raise DataError(
                         f"{raw.where}: {bad} (set data.on_bad_row: skip to count and skip)"
                     )
-                dropped[bad.reason] += 1
-                examples.setdefault(bad.reason, [])
-                if len(examples[bad.reason]) < EXAMPLES_PER_REASON:
-                    examples[bad.reason].append(f"{raw.where}: {bad}")
+                _note(dropped, examples, bad.reason, f"{raw.where}: {bad}")
                 continue
+            for fix in repairs:
+                _note(repaired, repair_examples, fix, raw.where)
             seen.add(row_id)
+            assistant_turns += sum(t["role"] == "assistant" for t in turns)
             rows.append({"id": row_id, "source": spec["name"], "conversations": turns})
         if info.truncated_tail_at is not None:
             dropped["truncated_tail"] += 1
@@ -93,8 +101,12 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
             "file": info.label,
             "rows_read": read,
             "rows_kept": kept,
+            "assistant_turns_kept": assistant_turns,
             "dropped": dict(sorted(dropped.items())),
             "examples": dict(sorted(examples.items())),
+            # rows kept after a repair, by kind (a row can have several)
+            "repaired": dict(sorted(repaired.items())),
+            "repair_examples": dict(sorted(repair_examples.items())),
         }
     return rows, report
 
@@ -130,13 +142,16 @@ def run(args) -> None:
     train, held_out = split(rows, config["seed"], data_cfg["eval_rows"], data_cfg["train_rows"])
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
-    dropped = Counter()
+    dropped, repaired = Counter(), Counter()
     for source in sources.values():
         dropped.update(source["dropped"])
+        repaired.update(source["repaired"])
     report = {
         "sources": sources,
         "rows_unique": len(rows),
+        "assistant_turns": sum(s["assistant_turns_kept"] for s in sources.values()),
         "dropped_total": dict(sorted(dropped.items())),
+        "repaired_total": dict(sorted(repaired.items())),
         "train_rows": len(train),
         "eval_rows": len(held_out),
         "not_selected": len(rows) - len(train) - len(held_out),
@@ -147,10 +162,11 @@ def run(args) -> None:
         write_rows(held_out, e)
     write_json(args.report, report)
     log.info(
-        "expand: %d unique rows -> %d train, %d eval; dropped %s",
+        "expand: %d unique rows -> %d train, %d eval; repaired %s; dropped %s",
         len(rows),
         len(train),
         len(held_out),
+        dict(repaired),
         dict(dropped),
     )
     if args.manifest:

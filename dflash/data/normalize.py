@@ -90,30 +90,62 @@ def to_turns(record: dict) -> list[dict]:
     )
 
 
-def clean(turns: list[dict], max_turns: int | None) -> list[dict]:
-    """Check turn order and keep at most `max_turns` user/assistant rounds.
+def repair(turns: list[dict]) -> tuple[list[dict], list[str]]:
+    """Fix what can be fixed without guessing, and name each fix.
+
+    - `blank_turn_removed`: a turn with only whitespace says nothing;
+    - `leading_assistant_dropped`: a conversation that opens with the assistant (after an optional
+      system turn) starts at its first user turn: the assistant's opener answers no prompt;
+    - `same_role_merged`: consecutive turns of one role (a message split in two, a follow-up sent
+      before the reply) become one turn, joined by a blank line.
+    """
+    fixes = []
+    kept = [t for t in turns if t["content"].strip()]
+    if len(kept) < len(turns):
+        fixes.append("blank_turn_removed")
+    system = kept[:1] if kept and kept[0]["role"] == "system" else []
+    dialog = kept[len(system) :]
+    first_user = next((i for i, t in enumerate(dialog) if t["role"] == "user"), len(dialog))
+    if first_user and any(t["role"] == "assistant" for t in dialog[:first_user]):
+        fixes.append("leading_assistant_dropped")
+    merged: list[dict] = []
+    for turn in dialog[first_user:]:
+        if merged and merged[-1]["role"] == turn["role"] != "system":
+            merged[-1] = {
+                "role": turn["role"],
+                "content": f"{merged[-1]['content']}\n\n{turn['content']}",
+            }
+            if "same_role_merged" not in fixes:
+                fixes.append("same_role_merged")
+        else:
+            merged.append(dict(turn))
+    return system + merged, fixes
+
+
+def clean(turns: list[dict], max_turns: int | None) -> tuple[list[dict], list[str]]:
+    """Repair (see `repair`), check turn order and keep at most `max_turns` user/assistant rounds;
+    returns the turns and the repairs made.
 
     Valid: an optional leading system turn, then alternating user/assistant turns starting with
     user. A trailing user turn without a reply is dropped (nothing to learn from it).
     """
     if not turns or all(not t["content"].strip() for t in turns):
         raise BadRow("empty")
-    system = turns[:1] if turns[0]["role"] == "system" else []
+    turns, fixes = repair(turns)
+    system = turns[:1] if turns and turns[0]["role"] == "system" else []
     dialog = turns[len(system) :]
     for i, turn in enumerate(dialog):
         expected = "user" if i % 2 == 0 else "assistant"
-        if turn["role"] != expected:
+        if turn["role"] != expected:  # e.g. a system turn in mid-conversation
             raise BadRow(
                 "bad_turn_order", f"turn {i + len(system)} is {turn['role']}, expected {expected}"
             )
-        if not turn["content"].strip():
-            raise BadRow("empty_turn", f"turn {i + len(system)} ({turn['role']}) is empty")
     rounds = len(dialog) // 2
     if rounds == 0:
         raise BadRow("no_assistant")
     if max_turns is not None:
         rounds = min(rounds, max_turns)
-    return system + dialog[: 2 * rounds]
+    return system + dialog[: 2 * rounds], fixes
 
 
 def conversation_id(turns: list[dict]) -> str:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from dflash.data.expand import read_rows
 from dflash.data.sources import DataError
 from dflash.errors import UserError
+from dflash.gpus import claim_gpu
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
 from dflash.model.engine import BatchedGreedy, supports_static
@@ -70,9 +71,8 @@ class Generator:
     def __init__(self, target_dir: Path, dtype: str, device: str, max_new_tokens: int):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        # auto: a GPU no other job holds (shards run one per GPU, in parallel), else the CPU
+        self.device = claim_gpu() if device == "auto" else torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.tokenizer.padding_side = "left"
         self.dtype = resolve_dtype(dtype, self.device)

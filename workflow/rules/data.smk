@@ -59,7 +59,8 @@ rule regenerate_shard:
         manifest=f"{R}/manifests/regenerate_{{split}}_{{shard}}.json",
     log:
         f"{R}/logs/regenerate_{{split}}_{{shard}}.log",
-    threads: workflow.cores
+    # shards run side by side, each on a GPU of its own (dflash.gpus), sharing the cores
+    threads: max(1, workflow.cores // SHARDS)
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
