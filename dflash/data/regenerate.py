@@ -196,7 +196,10 @@ def regenerate_continuous(gen: Generator, engine, rows: list[dict], max_prompt: 
             slots[slot] = None
             conv.answer(tokens, finished, gen.tokenizer)
             n_tokens += len(tokens)
-            queue.appendleft(conv) if conv.todo else on_done(conv)
+            if conv.todo:  # its next turn goes first, so conversations finish early
+                queue.appendleft(conv)
+            else:
+                on_done(conv)
 
     while queue or any(slots):
         for slot in range(engine.batch):
