@@ -130,8 +130,14 @@ class Conversation:
         self.turn_ids: list[list[int]] = []
         self.dropped_turns = 0
 
-    def prompt(self, tokenizer) -> list[int]:
-        return _prompt_ids(tokenizer, self.turns[: self.todo[0]])
+    def prompt(self, tokenizer, max_prompt: int) -> list[int] | None:
+        """The next turn's prompt, or None (and the conversation ends here, see `end_here`)
+        when it fills `max_prompt` tokens."""
+        prompt = _prompt_ids(tokenizer, self.turns[: self.todo[0]])
+        if len(prompt) < max_prompt:
+            return prompt
+        self.end_here()
+        return None
 
     def answer(self, tokens: list[int], finished: bool, tokenizer) -> None:
         turn = self.todo.pop(0)
@@ -166,10 +172,7 @@ def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
     while todo := [c for c in convs if c.todo]:
         ready, prompts = [], []
         for conv in todo:
-            prompt = conv.prompt(gen.tokenizer)
-            if len(prompt) >= max_prompt:
-                conv.end_here()
-            else:
+            if (prompt := conv.prompt(gen.tokenizer, max_prompt)) is not None:
                 ready.append(conv)
                 prompts.append(prompt)
         if ready:
@@ -205,9 +208,8 @@ def regenerate_continuous(gen: Generator, engine, rows: list[dict], max_prompt: 
         for slot in range(engine.batch):
             while slots[slot] is None and queue:
                 conv = queue.popleft()
-                prompt = conv.prompt(gen.tokenizer)
-                if len(prompt) >= max_prompt:
-                    conv.end_here()
+                prompt = conv.prompt(gen.tokenizer, max_prompt)
+                if prompt is None:
                     on_done(conv)
                     continue
                 slots[slot] = (conv, [engine.prefill(slot, prompt)])
