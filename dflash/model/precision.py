@@ -15,8 +15,15 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # oneDNN ISA caps below AVX512_CORE_BF16: bf16 matmuls are emulated under them
-ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"}
-ONEDNN_WITHOUT_BF16 |= {"AVX512_CORE_VNNI"}
+ONEDNN_WITHOUT_BF16 = {
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+}
 
 
 def cpu_runs_bf16_natively() -> bool:
