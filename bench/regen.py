@@ -29,7 +29,6 @@ from dflash.data.regenerate import (  # noqa: E402
     regenerate_batch,
     regenerate_continuous,
 )
-from dflash.model.engine import BatchedGreedy  # noqa: E402
 
 
 def _sync():
@@ -54,13 +53,12 @@ def static_pass(gen, rows, batch_size, max_prompt):
     order = [by_id[i] for ids in plan_batches(rows, gen.tokenizer, batch_size) for i in ids]
     out = {}
     started = time.perf_counter()
-    engine = BatchedGreedy(gen.model, batch_size, max_prompt + gen.max_new_tokens)
     tokens = regenerate_continuous(
         gen,
-        engine,
         order,
         max_prompt,
         lambda c: out.__setitem__(c.row["id"], c.result()["turn_token_ids"]),
+        batch_size,
     )
     _sync()
     return out, tokens, time.perf_counter() - started
@@ -74,7 +72,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--max-prompt", type=int, default=2048, help="data.max_length")
     parser.add_argument("--hf-batch-size", type=int, default=128, help="today's h200.yaml")
-    parser.add_argument("--static-batch-size", type=int, default=256)
+    parser.add_argument("--static-batch-size", type=int, nargs="+", default=[256])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -85,8 +83,6 @@ def main():
     for dtype in args.dtype:
         gen = Generator(args.target, dtype, args.device, args.max_new_tokens)
         hf, hf_tokens, hf_s = hf_pass(gen, rows, args.hf_batch_size, args.max_prompt)
-        st, st_tokens, st_s = static_pass(gen, rows, args.static_batch_size, args.max_prompt)
-        same = sum(hf[i] == st[i] for i in hf)
         result = {
             "dtype": dtype,
             "device": str(gen.device),
@@ -97,15 +93,20 @@ def main():
                 "seconds": round(hf_s, 1),
                 "tokens_per_s": round(hf_tokens / hf_s),
             },
-            "static": {
-                "batch": args.static_batch_size,
-                "tokens": st_tokens,
-                "seconds": round(st_s, 1),
-                "tokens_per_s": round(st_tokens / st_s),
-            },
-            "speedup": round((st_tokens / st_s) / (hf_tokens / hf_s), 2),
-            "identical_rows": same,
+            "static": [],
         }
+        for batch in args.static_batch_size:
+            st, st_tokens, st_s = static_pass(gen, rows, batch, args.max_prompt)
+            result["static"].append(
+                {
+                    "batch": batch,
+                    "tokens": st_tokens,
+                    "seconds": round(st_s, 1),
+                    "tokens_per_s": round(st_tokens / st_s),
+                    "speedup": round((st_tokens / st_s) / (hf_tokens / hf_s), 2),
+                    "identical_rows": sum(hf[i] == st[i] for i in hf),
+                }
+            )
         print(json.dumps(result), flush=True)
         results.append(result)
         del gen

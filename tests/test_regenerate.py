@@ -105,7 +105,8 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
 def test_static_engine_regenerates_what_transformers_generate_does(target_dir, tiny_workflow):
     """fp32 greedy: the refilled static batch gives every turn of every conversation the same
     tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
-    refilled) and a turn whose prompt fills max_prompt ending its conversation in both."""
+    refilled), turns in two prompt tiers (two cache sizes), and a turn whose prompt
+    fills max_prompt ending its conversation in both."""
     from dflash.data.expand import read_rows
     from dflash.data.regenerate import (
         Generator,
@@ -113,7 +114,6 @@ def test_static_engine_regenerates_what_transformers_generate_does(target_dir, t
         regenerate_batch,
         regenerate_continuous,
     )
-    from dflash.model.engine import BatchedGreedy
 
     rows = read_rows(tiny_workflow.results / "data" / "expanded" / "train.parquet")
     rows += read_rows(tiny_workflow.results / "data" / "expanded" / "eval.parquet")
@@ -129,9 +129,9 @@ def test_static_engine_regenerates_what_transformers_generate_does(target_dir, t
     assert any(len(c.turn_ids) > 1 for c in convs)  # a later turn answered after the first
 
     got = {}
-    engine = BatchedGreedy(gen.model, batch=3, capacity=max_prompt + 10)
+    tiers = [prompt_lengths[len(rows) // 2], max_prompt]  # two caches, the second larger
     tokens = regenerate_continuous(
-        gen, engine, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result())
+        gen, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result()), 3, tiers
     )
     assert got == expected
     assert tokens == hf_tokens > 0

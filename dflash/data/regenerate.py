@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
 from pathlib import Path
 
@@ -182,45 +183,87 @@ def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
     return convs, n_tokens
 
 
-def regenerate_continuous(gen: Generator, engine, rows: list[dict], max_prompt: int, on_done):
-    """Regenerate the rows through `engine` (a `BatchedGreedy`), keeping every cache row busy:
-    a row whose turn ends takes the same conversation's next turn or the next conversation at
-    once. `on_done(conversation)` is called as each one completes; returns the new tokens."""
-    queue = deque(Conversation(r) for r in rows)
-    slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
+def prompt_tiers(max_prompt: int, smallest: int = 256) -> list[int]:
+    """Prompt-length limits of the static engine's caches: powers of two from `smallest`, then
+    `max_prompt` (a prompt is always shorter than that)."""
+    tiers = []
+    while smallest < max_prompt:
+        tiers.append(smallest)
+        smallest *= 2
+    return [*tiers, max_prompt]
+
+
+def regenerate_continuous(
+    gen: Generator, rows: list[dict], max_prompt: int, on_done, batch: int, tiers=None
+):
+    """Regenerate the rows through the static engine, `batch` rows at a time, keeping every
+    cache row busy: a row whose turn ends takes the same conversation's next turn or the next
+    conversation at once. `on_done(conversation)` is called as each one completes; returns the
+    new tokens.
+
+    Each turn runs in the engine of its prompt's tier (`prompt_tiers`; capacity = tier +
+    max_new_tokens), tiers in increasing order: a decode step attends over the whole cache, so a
+    300-token prompt should not pay for a 2,560-row one. The tier is a function of the prompt's
+    own length and the batch is fixed, so a row's tokens still depend only on its own prompt.
+    A conversation's later turns have longer prompts: they join the same or a later tier.
+    """
+    tiers = tiers or prompt_tiers(max_prompt)
+    queues: list[deque] = [deque() for _ in tiers]
     n_tokens = 0
 
-    def settle(slot: int) -> None:
-        """End the slot's turn if it emitted a stop token or reached max_new_tokens."""
+    def enqueue(conv: Conversation, first: bool = False) -> None:
+        prompt = conv.prompt(gen.tokenizer, max_prompt)
+        if prompt is None:
+            on_done(conv)
+            return
+        queue = queues[bisect_left(tiers, len(prompt))]
+        if first:  # a conversation's next turn goes first, so conversations finish early
+            queue.appendleft((conv, prompt))
+        else:
+            queue.append((conv, prompt))
+
+    def end_turn(conv: Conversation, tokens: list[int], finished: bool) -> None:
         nonlocal n_tokens
+        conv.answer(tokens, finished, gen.tokenizer)
+        n_tokens += len(tokens)
+        if conv.todo:
+            enqueue(conv, first=True)
+        else:
+            on_done(conv)
+
+    for row in rows:
+        enqueue(Conversation(row))
+    for tier, queue in zip(tiers, queues, strict=True):
+        if queue:
+            engine = BatchedGreedy(gen.model, batch, capacity=tier + gen.max_new_tokens)
+            _drain(gen, engine, queue, end_turn)
+            del engine  # its caches and graphs, before the next tier's are allocated
+    return n_tokens
+
+
+def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> None:
+    """Decode the queued (conversation, prompt) turns with every cache row kept busy; a turn
+    ends at a stop token or max_new_tokens (`end_turn` may queue that conversation's next)."""
+    slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
+
+    def settle(slot: int) -> None:
         conv, tokens = slots[slot]
         finished = tokens[-1] in gen.eos_ids
         if finished or len(tokens) >= gen.max_new_tokens:
             slots[slot] = None
-            conv.answer(tokens, finished, gen.tokenizer)
-            n_tokens += len(tokens)
-            if conv.todo:  # its next turn goes first, so conversations finish early
-                queue.appendleft(conv)
-            else:
-                on_done(conv)
+            end_turn(conv, tokens, finished)
 
     while queue or any(slots):
         for slot in range(engine.batch):
             while slots[slot] is None and queue:
-                conv = queue.popleft()
-                prompt = conv.prompt(gen.tokenizer, max_prompt)
-                if prompt is None:
-                    on_done(conv)
-                    continue
+                conv, prompt = queue.popleft()
                 slots[slot] = (conv, [engine.prefill(slot, prompt)])
                 settle(slot)
-        if not any(slots):
-            continue
-        for slot, token in enumerate(engine.step()):
-            if slots[slot] is not None:
-                slots[slot][1].append(token)
-                settle(slot)
-    return n_tokens
+        if any(slots):
+            for slot, token in enumerate(engine.step()):
+                if slots[slot] is not None:
+                    slots[slot][1].append(token)
+                    settle(slot)
 
 
 def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, shards: int) -> str:
@@ -308,8 +351,7 @@ def _run_continuous(gen, plan, by_id, workdir, batch_size, max_prompt, progress)
 
     if todo:
         # the batch is fixed (not cut to what is left) so that every step has the same shape
-        engine = BatchedGreedy(gen.model, batch_size, capacity=max_prompt + gen.max_new_tokens)
-        regenerate_continuous(gen, engine, todo, max_prompt, on_done)
+        regenerate_continuous(gen, todo, max_prompt, on_done, batch_size)
         if pending:
             flush()
     return done
