@@ -364,3 +364,31 @@ def test_compiled_step_does_not_recompile_for_a_different_anchor_count():
     for loss_mask in (one, many, torch.zeros_like(ids)):
         step(feats, ids, loss_mask, torch.Generator().manual_seed(1))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_target_top_init_copies_the_targets_top_layers_and_output_norm(target_dir):
+    """drafter.init: target_top starts drafter layer i as target layer L-n+i (SmolLM2 is Llama:
+    no q/k norms, so those keep their ones) and the output norm as the target's final norm."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from dflash.model.drafter import init_from_target_top
+
+    cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(target_dir), 2, 4, mask_token_id=3)
+    model = Drafter(cfg)
+    fc_before = model.fc.weight.clone()
+    copied = init_from_target_top(model, target_dir)
+    top = cfg.num_target_layers - 2
+    with safe_open(target_dir / "model.safetensors", "pt") as f:
+        for i in range(2):
+            for name in (
+                "self_attn.q_proj.weight",
+                "mlp.down_proj.weight",
+                "input_layernorm.weight",
+            ):
+                mine = model.state_dict()[f"layers.{i}.{name}"]
+                assert torch.equal(mine, f.get_tensor(f"model.layers.{top + i}.{name}").float())
+        assert torch.equal(model.norm.weight, f.get_tensor("model.norm.weight").float())
+    assert len(copied) == 1 + 2 * 9  # per layer: 4 projections, 3 MLP, 2 norms
+    assert torch.equal(model.layers[0].self_attn.q_norm.weight, torch.ones(cfg.head_dim))
+    assert torch.equal(model.fc.weight, fc_before)  # reads target features: stays random

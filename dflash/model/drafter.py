@@ -290,6 +290,32 @@ class Drafter(nn.Module):
 WEIGHTS = "model.safetensors"
 
 
+def init_from_target_top(model: Drafter, target_dir: str | Path) -> list[str]:
+    """Start drafter layer i as target layer L-n+i and the output norm as the target's: the top
+    layers already map a residual stream to what the shared LM head reads. Tensors the target
+    does not have (Qwen3's q/k norms when the target is Llama) keep their init. Returns the
+    target keys copied."""
+    from safetensors import safe_open
+
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"drafter.init: target_top: no *.safetensors in {target_dir}")
+    top = model.config.num_target_layers - model.config.num_hidden_layers
+    wanted = {f"model.norm.{k}": f"norm.{k}" for k in ("weight",)}
+    for i, layer in enumerate(model.layers):
+        for name, _ in layer.named_parameters():
+            wanted[f"model.layers.{top + i}.{name}"] = f"layers.{i}.{name}"
+    state, copied = model.state_dict(), []
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in wanted.keys() & set(f.keys()):
+                state[wanted[key]].copy_(f.get_tensor(key).to(state[wanted[key]].dtype))
+                copied.append(key)
+    if not copied:
+        raise ValueError(f"drafter.init: target_top: no model.layers.* tensors in {target_dir}")
+    return sorted(copied)
+
+
 def save_drafter(model: Drafter, directory: str | Path, dtype=torch.bfloat16) -> None:
     """Write config.json + model.safetensors atomically (as a whole directory)."""
     with atomic_path(directory, is_dir=True) as tmp:

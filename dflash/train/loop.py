@@ -32,7 +32,7 @@ from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, write_manifest
-from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
+from dflash.model.drafter import Drafter, DrafterConfig, init_from_target_top, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.precision import native_bf16
 from dflash.model.step import TrainStep, resolve_attention
@@ -302,7 +302,11 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         torch.manual_seed(config["seed"])  # every drafter starts from the same weights
-        self.drafter = Drafter(self.dcfg).to(self.device)
+        self.drafter = Drafter(self.dcfg)
+        if d["init"] == "target_top":
+            copied = init_from_target_top(self.drafter, target_dir)
+            log.info("drafter.init: target_top: %d target tensors copied", len(copied))
+        self.drafter.to(self.device)
         gamma = d["gamma"] or default_gamma(d["block_size"])
         self.ddp = ctx.drafter_group is not None
         self.step_fn = TrainStep(
@@ -336,6 +340,7 @@ class Trainer:
             "drafter": self.dcfg.to_hf(),
             "gamma": gamma,
             "max_anchors": d["max_anchors"],
+            "init": d["init"],
             "data_sha256": sha256_file(batches.path),
             "seed": config["seed"],
             "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio")},
