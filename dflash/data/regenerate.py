@@ -235,7 +235,7 @@ def regenerate_continuous(
         enqueue(Conversation(row))
     for tier, queue in zip(tiers, queues, strict=True):
         if queue:
-            engine = BatchedGreedy(gen.model, batch, capacity=tier + gen.max_new_tokens)
+            engine = BatchedGreedy(gen.model, batch, tier + gen.max_new_tokens, prompt_width=tier)
             _drain(gen, engine, queue, end_turn)
             del engine  # its caches and graphs, before the next tier's are allocated
     return n_tokens
@@ -254,16 +254,21 @@ def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> Non
             end_turn(conv, tokens, finished)
 
     while queue or any(slots):
-        for slot in range(engine.batch):
-            while slots[slot] is None and queue:
-                conv, prompt = queue.popleft()
-                slots[slot] = (conv, [engine.prefill(slot, prompt)])
+        free = [slot for slot, busy in enumerate(slots) if busy is None]
+        # prefill in full calls while sequences are decoding; waiting a few steps for free rows
+        # costs less than a call per prompt
+        if free and queue and (len(free) >= min(engine.prefill_rows, len(queue)) or not any(slots)):
+            take = free[: min(engine.prefill_rows, len(queue))]
+            turns = [queue.popleft() for _ in take]
+            firsts = engine.prefill(take, [prompt for _, prompt in turns])
+            for slot, (conv, _), token in zip(take, turns, firsts, strict=True):
+                slots[slot] = (conv, [token])
                 settle(slot)
-        if any(slots):
-            for slot, token in enumerate(engine.step()):
-                if slots[slot] is not None:
-                    slots[slot][1].append(token)
-                    settle(slot)
+            continue
+        for slot, token in enumerate(engine.step()):
+            if slots[slot] is not None:
+                slots[slot][1].append(token)
+                settle(slot)
 
 
 def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, shards: int) -> str:

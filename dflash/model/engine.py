@@ -189,26 +189,33 @@ class CudaGraphs:
 class BatchedGreedy:
     """Greedy decoding of `batch` independent sequences over one preallocated KV cache.
 
-    `prefill(row, prompt)` puts a sequence into a free row and returns its first token; `step()`
-    advances every row by one token. A row's tokens depend only on its own prompt: the step's
-    shape never changes, and each prompt is prefilled alone, padded to a multiple of
-    `PREFILL_STEP` (padding sits after the prompt, so causal attention never sees it). Rows can
-    therefore be refilled as they finish (no waiting for the batch's longest), and a resumed
-    regeneration produces the same tokens as an uninterrupted one. On CUDA both steps replay CUDA
-    graphs (one per padded prompt width).
+    `prefill(rows, prompts)` puts sequences into free rows and returns their first tokens;
+    `step()` advances every row by one token. A row's tokens depend only on its own prompt: every
+    step and every prefill has one shape (prefills take `prefill_rows` prompts at once, each
+    padded to `prompt_width` after its end, so causal attention never sees the padding; unused
+    prefill rows write to a scratch cache row no sequence reads). Rows can therefore be refilled
+    as they finish (no waiting for the batch's longest), and a resumed regeneration produces the
+    same tokens as an uninterrupted one. On CUDA both replay CUDA graphs.
     """
 
-    PREFILL_STEP = 64
+    # Tokens per prefill call: one prompt at a time cost ~5 ms whatever its length (30 layers of
+    # small launches), which multi-turn data pays for every turn; 8K tokens per call keeps the
+    # GEMMs full and the padding's extra compute small.
+    PREFILL_TOKENS = 8192
 
-    def __init__(self, model: nn.Module, batch: int, capacity: int):
+    def __init__(self, model: nn.Module, batch: int, capacity: int, prompt_width: int):
         if not supports_static(model):
             raise ValueError(f"model type {model.config.model_type!r} has no static decoder here")
+        if prompt_width >= capacity:
+            raise ValueError(f"prompt_width {prompt_width} leaves no room in capacity {capacity}")
         self.model, self.decoder = model, model.get_decoder()
-        self.batch, self.capacity = batch, capacity
+        self.batch, self.capacity, self.prompt_width = batch, capacity, prompt_width
+        self.prefill_rows = max(1, min(batch, self.PREFILL_TOKENS // prompt_width))
         self.head_dim = head_dim(model.config)
         weight = model.get_input_embeddings().weight
         self.device = weight.device
-        shape = (batch, model.config.num_key_value_heads, capacity, self.head_dim)
+        # row `batch` is the scratch row unused prefill rows write to
+        shape = (batch + 1, model.config.num_key_value_heads, capacity, self.head_dim)
         self.keys = [weight.new_zeros(shape) for _ in self.decoder.layers]
         self.values = [weight.new_zeros(shape) for _ in self.decoder.layers]
         self.cache_rows = torch.arange(capacity, device=self.device)
@@ -217,18 +224,26 @@ class BatchedGreedy:
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.graphs = CudaGraphs(self.device)
 
-    def prefill(self, row: int, prompt: list[int]) -> int:
-        n = len(prompt)
-        if n >= self.capacity:
-            raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.capacity}")
-        width = min(-(-n // self.PREFILL_STEP) * self.PREFILL_STEP, self.capacity)
-        ids = torch.zeros(1, width, dtype=torch.long)
-        ids[0, :n] = torch.tensor(prompt)
-        where = torch.tensor([row, n])
-        ids, where = ids.to(self.device), where.to(self.device)
-        (token,) = self.graphs(("prefill", width), self._prefill, ids, where)
-        self.tokens[row], self.positions[row] = token[0], n
-        return int(token[0])
+    def prefill(self, rows: list[int], prompts: list[list[int]]) -> list[int]:
+        """Start `prompts` (at most `prefill_rows`, each at most `prompt_width` tokens) in the
+        free cache `rows`; returns their first tokens."""
+        k, width = self.prefill_rows, self.prompt_width
+        if not 0 < len(prompts) <= k:
+            raise ValueError(f"prefill takes 1 to {k} prompts, got {len(prompts)}")
+        ids = torch.zeros(k, width, dtype=torch.long)
+        lengths = torch.ones(k, dtype=torch.long)
+        targets = torch.full((k,), self.batch, dtype=torch.long)
+        for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+            if len(prompt) > width:
+                raise ValueError(f"a prompt of {len(prompt)} tokens is over prompt_width {width}")
+            ids[i, : len(prompt)] = torch.tensor(prompt)
+            lengths[i], targets[i] = len(prompt), row
+        ids, lengths, targets = (t.to(self.device) for t in (ids, lengths, targets))
+        (first,) = self.graphs(("prefill",), self._prefill, ids, lengths, targets)
+        m = len(prompts)
+        self.tokens[targets[:m]] = first[:m]
+        self.positions[targets[:m]] = lengths[:m]
+        return first[:m].tolist()
 
     def step(self) -> list[int]:
         """The next token of every row (rows without a sequence produce garbage, ignored)."""
@@ -238,23 +253,23 @@ class BatchedGreedy:
         return tokens.tolist()
 
     @torch.no_grad()
-    def _prefill(self, ids, where):
-        row, n = where[:1], where[1:]
-        positions = self.cache_rows[None, : ids.shape[1]]
+    def _prefill(self, ids, lengths, targets):
+        k, width = ids.shape
+        positions = self.cache_rows[None, :width]
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, positions)
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
-            self.keys[i][:, :, : ids.shape[1]].index_copy_(0, row, k)
-            self.values[i][:, :, : ids.shape[1]].index_copy_(0, row, v)
+            q, key, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            self.keys[i][:, :, :width].index_copy_(0, targets, key)
+            self.values[i][:, :, :width].index_copy_(0, targets, v)
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True
+                q, key, v, is_causal=True, scale=attn.scaling, enable_gqa=True
             )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, ids.shape[1], -1))
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(k, width, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = x.index_select(1, n - 1)
-        return (self.model.lm_head(self.decoder.norm(last))[:, 0].argmax(-1),)
+        last = x[torch.arange(k, device=x.device), lengths - 1]
+        return (self.model.lm_head(self.decoder.norm(last)).argmax(-1),)
 
     @torch.no_grad()
     def _step(self, tokens, positions):
@@ -273,7 +288,11 @@ class BatchedGreedy:
             kv_heads = k.shape[1]
             grouped = q.reshape(self.batch, kv_heads, -1, self.head_dim)
             out = F.scaled_dot_product_attention(
-                grouped, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling
+                grouped,
+                self.keys[i][: self.batch],
+                self.values[i][: self.batch],
+                attn_mask=mask,
+                scale=attn.scaling,
             )
             x = x + attn.o_proj(out.reshape(self.batch, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
