@@ -6,6 +6,7 @@ cannot disagree with the files it summarises.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -77,12 +78,14 @@ def _plots(folder: Path, stats, metrics, acceptance, ddtree) -> None:
     save(fig, "ddtree")
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["loss"] for m in metrics], label="loss")
-    ax.set(xlabel="optimizer step", ylabel="loss", title="Training")
+    # against training tokens, not steps: whether more data would still pay reads off directly
+    seen = list(itertools.accumulate(sum(d["tokens"] for d in m["drafters"]) for m in metrics))
+    seen = [t / 1e6 for t in seen]
+    ax.plot(seen, [m["loss"] for m in metrics], label="loss")
+    ax.set(xlabel="training tokens (millions)", ylabel="loss", title="Learning curve")
     twin = ax.twinx()
-    twin.plot(steps, [m["tau"] for m in metrics], color="C1", label="teacher-forced τ")
-    simulated = [(m["step"], m["tau_sim"]) for m in metrics if "tau_sim" in m]
+    twin.plot(seen, [m["tau"] for m in metrics], color="C1", label="teacher-forced τ")
+    simulated = [(t, m["tau_sim"]) for t, m in zip(seen, metrics, strict=True) if "tau_sim" in m]
     if simulated:
         twin.plot(*zip(*simulated, strict=True), color="C2", marker="o", label="tau_sim (held-out)")
     if "tau_sim" in acceptance and acceptance["tau_sim"].get("tau_macro"):
@@ -96,6 +99,7 @@ def _plots(folder: Path, stats, metrics, acceptance, ddtree) -> None:
     save(fig, "training")
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    steps = [m["step"] for m in metrics]
     ax.plot(steps, [m["tokens_per_s"] for m in metrics], label="overall")
     for d in range(len(metrics[0]["drafters"]) if metrics else 0):
         ax.plot(
