@@ -1,10 +1,11 @@
 """The static regeneration engine's decode step, per batch x cache capacity: where its time goes.
 
     python bench/regen_step.py --target results/target/hf
+    python bench/regen_step.py --target-config bench/configs/smollm2-135m   # random weights
 
 Times one `BatchedGreedy.step()` (CUDA-graph replay + host sync) against the same step run
-eagerly, and one full prefill call of 300-token prompts (padded to the tier, capacity - 512),
-per prompt. The step attends over the whole preallocated cache, so its cost grows with the
+eagerly, and one full prefill call of prompts three quarters of the tier (capacity - 512) long,
+per prompt, beside one prompt per call (how prefill ran before). The step attends over the whole preallocated cache, so its cost grows with the
 capacity (prompt tier + max_new_tokens).
 """
 
@@ -34,30 +35,46 @@ def timed(fn, n: int) -> float:
 
 
 def main():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", type=Path)
+    source.add_argument("--target-config", type=Path, help="random weights: time is the same")
     args = parser.parse_args()
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
+    if args.target:
+        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
+    else:
+        config = AutoConfig.from_pretrained(args.target_config)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.cuda().eval()
     for batch, capacity in SHAPES:
-        engine = BatchedGreedy(model, batch, capacity, prompt_width=capacity - 512)
+        tier = capacity - 512
+        n = tier * 3 // 4  # a prompt three quarters of its tier long
+        engine = BatchedGreedy(model, batch, capacity, prompt_width=tier)
         engine.positions.fill_(100)
         engine.step()  # captures
         rows = list(range(engine.prefill_rows))
-        prompts = [list(range(300))] * len(rows)
+        prompts = [list(range(n))] * len(rows)
         engine.prefill(rows, prompts)
         step = timed(engine.step, 50)
         eager = timed(lambda e=engine: e._step(e.tokens, e.positions), 20)
         prefill = timed(lambda e=engine, r=rows, p=prompts: e.prefill(r, p), 20) / len(rows)
+        del engine
+        torch.cuda.empty_cache()
+        # before: one prompt per call, padded to a multiple of 64
+        alone = BatchedGreedy(model, batch, capacity, prompt_width=-(-n // 64) * 64)
+        alone.prefill_rows = 1
+        alone.prefill([0], prompts[:1])
+        one = timed(lambda e=alone, p=prompts[:1]: e.prefill([0], p), 20)
         print(
             f"batch {batch} capacity {capacity}: step {step * 1e3:.2f} ms "
-            f"(eager {eager * 1e3:.2f}) = {batch / step:.0f} tokens/s; "
-            f"prefill {prefill * 1e3:.2f} ms per 300-token prompt ({len(rows)} per call)",
+            f"(eager {eager * 1e3:.2f}) = {batch / step:.0f} tokens/s; prefill of a "
+            f"{n}-token prompt {prefill * 1e3:.2f} ms ({len(rows)} per call) vs "
+            f"{one * 1e3:.2f} ms alone",
             flush=True,
         )
-        del engine
+        del alone
         torch.cuda.empty_cache()
 
 
