@@ -301,7 +301,7 @@ def init_from_target_top(model: Drafter, target_dir: str | Path) -> list[str]:
     if not files:
         raise FileNotFoundError(f"drafter.init: target_top: no *.safetensors in {target_dir}")
     top = model.config.num_target_layers - model.config.num_hidden_layers
-    wanted = {f"model.norm.{k}": f"norm.{k}" for k in ("weight",)}
+    wanted = {"model.norm.weight": "norm.weight"}
     for i, layer in enumerate(model.layers):
         for name, _ in layer.named_parameters():
             wanted[f"model.layers.{top + i}.{name}"] = f"layers.{i}.{name}"
