@@ -255,10 +255,11 @@ def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> Non
 
     while queue or any(slots):
         free = [slot for slot, busy in enumerate(slots) if busy is None]
+        wanted = min(engine.prefill_rows, len(queue))
         # prefill in full calls while sequences are decoding; waiting a few steps for free rows
         # costs less than a call per prompt
-        if free and queue and (len(free) >= min(engine.prefill_rows, len(queue)) or not any(slots)):
-            take = free[: min(engine.prefill_rows, len(queue))]
+        if free and wanted and (len(free) >= wanted or not any(slots)):
+            take = free[:wanted]
             turns = [queue.popleft() for _ in take]
             firsts = engine.prefill(take, [prompt for _, prompt in turns])
             for slot, (conv, _), token in zip(take, turns, firsts, strict=True):
