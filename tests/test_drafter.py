@@ -101,6 +101,15 @@ def test_anchor_sampling_is_seeded_and_legal():
     assert none[0].shape == (2, 4) and not none[1].any()
 
 
+def test_blocks_never_outnumber_the_batch_width():
+    """A sample of width s has at most s - 1 anchors: more blocks would only be padding."""
+    loss_mask = torch.ones(2, 9, dtype=torch.long)
+    anchors, valid = sample_anchors(loss_mask, 512, torch.Generator().manual_seed(0))
+    assert anchors.shape == valid.shape == (2, 9)
+    assert valid.sum(1).tolist() == [8, 8]  # every position but the last is an anchor
+    assert sorted(anchors[0, :8].tolist()) == list(range(8))
+
+
 def test_blocks_weights_and_slot0_exclusion():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     loss_mask = torch.tensor([[0, 1, 1, 0, 1, 1]])

@@ -5,8 +5,9 @@ from a seeded generator. Block n is `[ids[a], MASK x (B-1)]` at positions `a .. 
 target's context features strictly before its anchor and its own block (both directions), nothing
 else. The loss is CE on `ids[a+k]` for slots k = 1..B-1 with weight `exp(-(k-1)/gamma)` times the
 loss mask at `a+k`, normalised by the weight sum. The number of blocks per sample is always
-`max_anchors` (missing ones are padding that sees nothing), so shapes, and compiled kernels, do not
-depend on how many anchors a sample happened to have.
+`min(max_anchors, s)` for a batch `s` tokens wide (missing ones are padding that sees nothing), so
+shapes, and compiled kernels, depend on the batch shape only, never on how many anchors a sample
+happened to have; a sample cannot have `s` anchors, so blocks past that would only be padding.
 
 The mask has one definition (`dflash_mask_mod`) and two realisations: a flex_attention BlockMask
 (GPU) and a dense boolean mask for scaled_dot_product_attention (CPU, where torch's flex_attention
@@ -39,7 +40,8 @@ class Blocks:
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator):
-    """Up to `max_anchors` sorted anchors per sample where positions a and a+1 are trainable."""
+    """Up to `max_anchors` sorted anchors per sample where positions a and a+1 are trainable:
+    (b, min(max_anchors, s)) anchors and validity, real anchors first."""
     b, s = loss_mask.shape
     eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
     eligible[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
@@ -52,12 +54,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
     anchors = torch.where(valid, picked.indices, torch.zeros_like(picked.indices))
     # Sort real anchors ascending, padding last.
     order = torch.where(valid, anchors, torch.full_like(anchors, s)).argsort(dim=1)
-    anchors, valid = anchors.gather(1, order), valid.gather(1, order)
-    if k < max_anchors:
-        pad = max_anchors - k
-        anchors = F.pad(anchors, (0, pad))
-        valid = F.pad(valid, (0, pad), value=False)
-    return anchors, valid
+    return anchors.gather(1, order), valid.gather(1, order)
 
 
 def make_blocks(
