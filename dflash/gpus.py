@@ -14,11 +14,10 @@ import fcntl
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
-
-from dflash.errors import UserError
 
 log = logging.getLogger(__name__)
 _held: list[int] = []  # lock file descriptors, open for the life of the process
@@ -28,25 +27,34 @@ def lock_dir() -> Path:
     return Path(os.environ.get("DFLASH_GPU_LOCKS") or Path(tempfile.gettempdir()) / "dflash-gpus")
 
 
-def claim_gpu() -> torch.device:
-    """The first visible GPU not held by another process of this host (CPU when none)."""
+def claim_gpu(poll_s: float = 1.0) -> torch.device:
+    """The first visible GPU not held by another process of this host (CPU when none).
+
+    When every GPU is held (Snakemake was told of more GPUs than this host has free, e.g. the
+    default profile's count on a smaller host), wait for one to be freed instead of failing a job
+    that would run fine a little later.
+    """
     count = torch.cuda.device_count()
     if count == 0:
         return torch.device("cpu")
     folder = lock_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        uuid = str(torch.cuda.get_device_properties(i).uuid)
-        fd = os.open(folder / f"{uuid}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        _held.append(fd)
-        log.info("claimed GPU %d (%s)", i, uuid)
-        return torch.device("cuda", i)
-    raise UserError(
-        f"all {count} visible GPUs are held by other jobs (locks in {folder}): run with "
-        "--resources gpu=N no larger than the GPUs this host has free"
-    )
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+    waiting = False
+    while True:
+        for i, uuid in enumerate(uuids):
+            fd = os.open(folder / f"{uuid}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _held.append(fd)
+            log.info("claimed GPU %d (%s)", i, uuid)
+            return torch.device("cuda", i)
+        if not waiting:
+            log.info(
+                "all %d visible GPUs are held by other jobs (locks in %s): waiting", count, folder
+            )
+            waiting = True
+        time.sleep(poll_s)
