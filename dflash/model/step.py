@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
+import time
+
 import torch
 
 from dflash.model.objective import dflash_loss
+
+
+def _reduce_memory_format(fmt: torch.memory_format):
+    return getattr, (torch, str(fmt).removeprefix("torch."))
+
+
+# torch's compile cache keys pickle `torch.memory_format` objects by the first module in
+# sys.modules that holds them: a training process, which imports polars before torch, named them
+# `polars._dependencies.torch.*`, the warmup `torch._utils.*`, so the same graphs got other keys
+# and training recompiled every shape (274 s on an H200). One reducer for every process.
+copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,3 +84,30 @@ class TrainStep:
                 compiled_flex=self.compile and self.attention == "flex",
                 compiled_ce=self.compile and device == "cuda",
             )
+
+
+def run_shapes(step: TrainStep, shapes, width: int, vocab_size: int, dtype, steps=1, no_sync=None):
+    """Run `step` `steps` times on each (batch, length) shape and discard the gradients: this
+    compiles every graph batches of those shapes use, or loads them from the compile cache.
+    The warmup rule and each training process call this one function, so both build the same
+    graphs; the dummy data comes from a private generator, so the global RNG is untouched.
+    Returns each shape's step times in seconds."""
+    device = step.head_weight.device
+    times = []
+    for batch, length in shapes:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab_size, (batch, length), generator=g).to(device)
+        loss_mask = torch.ones_like(ids)
+        loss_mask[:, : length // 4] = 0
+        feats = torch.randn(batch, length, width, generator=g).to(device, dtype)
+        shape_times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            with no_sync() if no_sync else contextlib.nullcontext():
+                step(feats, ids, loss_mask, torch.Generator().manual_seed(i))
+            step.drafter.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            shape_times.append(time.perf_counter() - t0)
+        times.append(shape_times)
+    return times
