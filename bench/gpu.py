@@ -653,7 +653,7 @@ class Bench:
         from transformers import AutoConfig
 
         from dflash.model.drafter import DrafterConfig
-        from dflash.model.warmup import use_cache
+        from dflash.train.warmup import use_cache
 
         a = self.args
         self.work = Path(tempfile.mkdtemp(prefix="dflash-gpu-bench-"))

@@ -18,7 +18,7 @@ SHAPES = [(4, 1024), (2, 2048), (1, 4096)]  # (batch, bucket length) under a 4K-
 def child(cache: str) -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/inductor"
     os.environ["TRITON_CACHE_DIR"] = f"{cache}/triton"
-    from dflash.model.warmup import tree_size, warm_shapes
+    from dflash.train.warmup import tree_size, warm_shapes
 
     # The resolved config subset warm_shapes reads (written out: the GPU image has no jsonschema).
     config = {

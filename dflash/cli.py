@@ -99,10 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "warmup", "compile the drafter step for every bucket shape on one thread")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (config only)")
-    p.add_argument("--stats", type=Path, required=True, help="stats.json with the bucket table")
     p.add_argument("--record", type=Path, required=True, help="warmup record JSON to write")
     p.add_argument("--cache-dir", help="compile cache (default: compile.cache_dir)")
-    p.set_defaults(stage="dflash.model.warmup:run")
+    p.set_defaults(stage="dflash.train.warmup:run")
 
     p = _add(
         sub,

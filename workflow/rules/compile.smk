@@ -1,12 +1,13 @@
-# One-thread torch.compile warmup of the drafter step for every bucket shape. The cache folder is
-# deliberately not a declared output: Snakemake deletes declared outputs of failed jobs, and a
-# lost cache costs every later training start minutes of recompilation.
+# One-thread torch.compile warmup of the drafter step for every bucket shape. The shapes follow
+# from the config (compiled training pads each batch to its bucket's shape), so the warmup needs
+# only the target's config and runs beside regeneration. The cache folder is deliberately not a
+# declared output: Snakemake deletes declared outputs of failed jobs, and a lost cache costs every
+# later training start minutes of recompilation.
 
 
 rule warmup_compile:
     """Compile the drafter training step for each (batch, bucket length) into the shared cache."""
     input:
-        stats=f"{R}/data/stats/stats.json",
         target=target_input(),
     output:
         record=f"{R}/compile/warmup.json",
@@ -16,13 +17,22 @@ rule warmup_compile:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=config_json("results", "drafter", "compile", "target.mask_token_id"),
+        config=config_json(
+            "results",
+            "drafter",
+            "compile",
+            "target.mask_token_id",
+            "data.buckets",
+            "data.max_length",
+            "data.token_budget",
+            "data.max_batch_size",
+        ),
         cache=COMPILE_CACHE,
         target=target_fingerprint(),
-        code=code_hash("dflash.model.warmup"),
+        code=code_hash("dflash.train.warmup"),
         env=ENV_HASH,
     shell:
         "{DFLASH} warmup --config {params.config:q} --target {TARGET}"
-        " --stats {input.stats} --record {output.record} --cache-dir {params.cache}"
+        " --record {output.record} --cache-dir {params.cache}"
         " --manifest {output.manifest}"
         " > {log} 2>&1"

@@ -59,8 +59,10 @@ rule regenerate_shard:
         manifest=f"{R}/manifests/regenerate_{{split}}_{{shard}}.json",
     log:
         f"{R}/logs/regenerate_{{split}}_{{shard}}.log",
-    # shards run side by side, each on a GPU of its own (dflash.gpus), sharing the cores
-    threads: max(1, workflow.cores // SHARDS)
+    # shards run side by side, each on a GPU of its own (dflash.gpus), sharing the cores; on a GPU
+    # host a shard's work is on its GPU, so half the cores stay free for the jobs beside it (the
+    # compile warmup runs during regeneration)
+    threads: max(1, workflow.cores // SHARDS // (2 if HAS_GPU else 1))
     resources:
         gpu=1 if HAS_GPU else 0,
     params:

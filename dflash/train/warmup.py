@@ -3,8 +3,10 @@
 Why: compiling from several threads or processes at once serialises on a global lock and races in
 FX tracing (seen as crashes when one thread traces while another runs compiled code), and without a
 persistent cache every training process spends minutes recompiling on every start or resume. This
-stage compiles each (batch size, bucket length) shape of the length-stats bucket table once, in
-one process, into the inductor/Triton cache that training processes then point at.
+stage compiles each (batch size, bucket length) shape once, in one process, into the
+inductor/Triton cache that training processes then point at. Compiled training pads every batch to
+its bucket's shape (`dflash.train.loop.Batches`), so the shapes follow from the config alone and
+the warmup can run while the data is still being regenerated.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from dflash.io import read_json, write_json
+from dflash.data.batching import bucket_batch_size, bucket_bounds
+from dflash.io import write_json
 from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
@@ -35,9 +38,13 @@ def use_cache(path: Path) -> None:
     os.environ["TRITON_CACHE_DIR"] = str(path.resolve() / "triton")
 
 
-def bucket_shapes(stats: dict) -> list[tuple[int, int]]:
-    """(batch size, padded length) of every non-empty bucket."""
-    return [(b["batch_size"], b["upper"]) for b in stats["buckets"] if b["rows"] > 0]
+def bucket_shapes(data: dict) -> list[tuple[int, int]]:
+    """(batch size, padded length) of every bucket of the `data` config: the shapes of every
+    compiled training batch."""
+    return [
+        (bucket_batch_size(upper, data["token_budget"], data["max_batch_size"]), upper)
+        for upper in bucket_bounds(data["buckets"], data["max_length"])
+    ]
 
 
 def tree_size(path: Path) -> tuple[int, int]:
@@ -50,7 +57,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
     from transformers import AutoConfig
 
     from dflash.model.drafter import Drafter, DrafterConfig
-    from dflash.model.step import TrainStep, resolve_attention, resolve_device
+    from dflash.model.step import TrainStep, resolve_attention, resolve_device, run_shapes
 
     dcfg, ccfg = config["drafter"], config["compile"]
     device = resolve_device(ccfg["device"])
@@ -78,21 +85,9 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 2) -> list[
     )
     width = len(cfg.target_layer_ids) * cfg.hidden_size
     records = []
-    for batch, length in shapes:
-        ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
-        loss_mask = torch.ones_like(ids)
-        loss_mask[:, : length // 4] = 0
-        feats = torch.randn(batch, length, width, device=device, dtype=dtype)
-        times = []
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            step(feats, ids, loss_mask, torch.Generator().manual_seed(i))
-            drafter.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+    for (batch, length), times in zip(
+        shapes, run_shapes(step, shapes, width, cfg.vocab_size, dtype, steps), strict=True
+    ):
         records.append(
             {
                 "batch": batch,
@@ -123,7 +118,7 @@ def run(args) -> None:
     import torch
 
     # One thread of compilation, one process: the point of this stage.
-    shapes = bucket_shapes(read_json(args.stats))
+    shapes = bucket_shapes(config["data"])
     record = {
         "torch": torch.__version__,
         "enabled": config["compile"]["enabled"],
@@ -143,7 +138,7 @@ def run(args) -> None:
         write_manifest(
             args.manifest,
             "warmup",
-            {"stats": args.stats},
+            {},
             {"record": args.record},
             params=config,
             code=(__name__,),
