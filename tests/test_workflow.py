@@ -71,6 +71,19 @@ def edited_config(flow, name, **data):
     return name
 
 
+def test_a_config_file_given_on_the_command_line_replaces_the_embedded_default(tiny_workflow):
+    """A recipe is complete by itself: a key it leaves out takes the schema's default, never the
+    CPU default's value (config/config.yaml caps data.train_rows at 256)."""
+    import yaml
+
+    flow = tiny_workflow
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    del config["data"]["train_rows"]
+    (flow.workdir / "uncapped.yaml").write_text(yaml.safe_dump(config))
+    out = flow.run("-n", "-p", "-f", "expand_dataset", config="uncapped.yaml").stdout
+    assert '"train_rows": null' in out and '"train_rows": 256' not in out
+
+
 FROM_REGENERATION = {"regenerate_shard", "regenerate", "tokenize", "length_stats", "stats"}
 
 
