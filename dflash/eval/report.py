@@ -174,12 +174,10 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         "| method | τ macro | τ pooled | tokens/s | speedup | lossless |",
         "|---|---|---|---|---|---|",
     ]
-    for name, m in [
-        ("trained drafter", acceptance),
-        ("untrained drafter", b["untrained"]),
-        ("prompt lookup", b["lookup"]),
-        ("target only", b["target"]),
-    ]:
+    names = {"untrained": "untrained drafter", "lookup": "prompt lookup", "target": "target only"}
+    rows = [("trained drafter", acceptance)]
+    rows += [(label, b[key]) for key, label in names.items() if key in b]
+    for name, m in rows:
         lines.append(
             f"| {name} | {_tau(m)} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |"
         )
@@ -193,8 +191,8 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
             lines.append(
                 f"| {name} | {m['n_prompts']} | {_tau(m)} | {_tau(lk) if lk else '– | –'} |"
             )
-    lk = b["lookup"]
-    behind = [k for k in ("tau_macro", "tau_pooled") if acceptance[k] <= lk[k]]
+    lk = b.get("lookup")
+    behind = [k for k in ("tau_macro", "tau_pooled") if lk and acceptance[k] <= lk[k]]
     if behind:
         lines += [
             "",

@@ -1,9 +1,10 @@
 """`dflash eval`: real speculative decoding of the exported drafter on the eval prompts.
 
 Methods, all decoded by the same loop on the same prompts: `target` (no drafts: plain greedy, the
-reference every other output must equal token for token, and the speed baseline), `lookup`
-(prompt lookup, no model), `untrained` (the drafter as initialised before training) and `drafter`
-(the trained one, loaded from its exported HF directory, as a serving engine would). Prompts with
+reference every other output must equal token for token, and the speed baseline), the baselines
+of `eval.baselines`: `lookup` (prompt lookup, no model) and `untrained` (the drafter as
+initialised before training), and `drafter` (the trained one, loaded from its exported HF
+directory, as a serving engine would). Prompts with
 later turns (MT-Bench) are asked again after the target's own answer, as the public DFlash
 benchmark does. The headline τ is `tau_macro` (the mean over prompts of each prompt's mean
 acceptance, what the public DFlash benchmark reports); `tau_pooled` stays beside it.
@@ -72,7 +73,8 @@ def encode(tokenizer, prompt: EvalPrompt) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def eval_prompts(config: dict, held_out: Path) -> list[EvalPrompt]:
+def eval_prompts(config: dict, held_out: Path, cap: int | None = None) -> list[EvalPrompt]:
+    """The prompts of every eval set; `cap` limits each set further (DDTree's subset)."""
     prompts = []
     cache_dir = expand_user(config["cache_dir"])
     for i, spec in enumerate(config["eval"]["sets"]):
@@ -80,6 +82,8 @@ def eval_prompts(config: dict, held_out: Path) -> list[EvalPrompt]:
         if spec["format"] == "held_out" and not spec.get("path"):
             spec["path"] = str(held_out)
         spec.setdefault("max_prompts", config["eval"]["max_prompts"])
+        if cap is not None:
+            spec["max_prompts"] = min(spec["max_prompts"], cap)
         prompts += load_eval_set(spec, key=f"eval.sets[{i}]", cache_dir=cache_dir)
     return prompts
 
@@ -143,7 +147,7 @@ def teacher_forced_tau(drafter, model, rows: pl.DataFrame, config) -> float:
 class Setup:
     """What every eval command loads: the target with a KV cache, the drafter, the prompts."""
 
-    def __init__(self, args):
+    def __init__(self, args, max_prompts: int | None = None):
         from transformers import AutoTokenizer
 
         config = self.config = args.config
@@ -156,7 +160,7 @@ class Setup:
         self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight
         self.block_size = self.drafter.config.block_size
         self.stop = eos_ids(args.target, self.tokenizer)
-        self.prompts = eval_prompts(config, args.held_out)
+        self.prompts = eval_prompts(config, args.held_out, max_prompts)
         self.max_new = config["eval"]["max_new_tokens"]
         self.sha = {
             "drafter_sha256": sha256_file(Path(args.drafter) / "model.safetensors"),
@@ -281,14 +285,15 @@ def run(args) -> None:
     """results/eval/acceptance.json: the trained drafter, its baselines, tau_sim."""
     setup = Setup(args)
     config = setup.config
-    torch.manual_seed(config["seed"])  # the same initialisation training started from
-    untrained = Drafter(setup.drafter.config).to(setup.head.device).eval()
     gens = {"target": setup.reference()}
-    methods = {
-        "lookup": LookupProposer(setup.block_size),
-        "untrained": DrafterProposer(untrained, setup.embed, setup.head),
-        "drafter": DrafterProposer(setup.drafter, setup.embed, setup.head),
-    }
+    methods = {}
+    if "lookup" in config["eval"]["baselines"]:
+        methods["lookup"] = LookupProposer(setup.block_size)
+    if "untrained" in config["eval"]["baselines"]:
+        torch.manual_seed(config["seed"])  # the same initialisation training started from
+        untrained = Drafter(setup.drafter.config).to(setup.head.device).eval()
+        methods["untrained"] = DrafterProposer(untrained, setup.embed, setup.head)
+    methods["drafter"] = DrafterProposer(setup.drafter, setup.embed, setup.head)
     gens |= {name: setup.decode(name, proposer) for name, proposer in methods.items()}
     results = {
         name: summarize(setup.prompts, gs, setup.block_size, gens["target"])
@@ -341,8 +346,8 @@ def run_ddtree(args) -> None:
     """results/eval/ddtree.json: τ and speedup of tree drafting by node budget (and the chain)."""
     from dflash.eval.decode import generate_tree
 
-    setup = Setup(args)
-    tree_cfg = setup.config["eval"]["ddtree"]
+    tree_cfg = args.config["eval"]["ddtree"]
+    setup = Setup(args, tree_cfg["max_prompts"])
     proposer = DrafterProposer(setup.drafter, setup.embed, setup.head)
     gens = {"target": setup.reference(), "chain": setup.decode("chain", proposer)}
     for budget in tree_cfg["budgets"]:
