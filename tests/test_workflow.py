@@ -181,3 +181,43 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     (flow.workdir / "eval.yaml").write_text(yaml.safe_dump(changed))
     planned = set(flow.planned_jobs("all", config="eval.yaml")) - {"all"}
     assert planned == {"eval_acceptance", "eval_ddtree", "report", "record"}
+
+
+def test_baselines_and_the_ddtree_subset_are_configurable(tiny_workflow, tmp_path):
+    """eval.baselines leaves the untrained drafter out (the summary does without it), and
+    eval.ddtree.max_prompts decodes trees and chain on the first prompts of each set only."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from dflash.eval.report import summary_text
+
+    flow = tiny_workflow
+    flow.run("all")
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    config["eval"] |= {"baselines": ["lookup"], "ddtree": {"budgets": [4], "max_prompts": 1}}
+    r = flow.results
+    common = ["--config", json.dumps(config), "--target", str(r / "target/hf")]
+    common += ["--drafter", str(r / "drafter"), "--held-out", str(r / "data/expanded/eval.parquet")]
+    for cmd, extra in (
+        ("eval", ["--tokenized", str(r / "data/tokenized/eval.parquet")]),
+        ("ddtree", []),
+    ):
+        out = ["--output", str(tmp_path / f"{cmd}.json")]
+        done = subprocess.run(
+            [sys.executable, "-m", "dflash", cmd, *common, *extra, *out],
+            capture_output=True, text=True, cwd=flow.workdir, env=flow.env(),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    acc = json.loads((tmp_path / "eval.json").read_text())
+    assert set(acc["baselines"]) == {"target", "lookup"} and acc["n_prompts"] == 2
+    tree = json.loads((tmp_path / "ddtree.json").read_text())
+    assert tree["n_prompts"] == 1 and [r["budget"] for r in tree["results"]] == [7, 4]
+    text = summary_text(
+        *(json.loads((r / f).read_text()) for f in ("data/stats/stats.json", "train/summary.json")),
+        [json.loads(x) for x in (r / "train/metrics.jsonl").read_text().splitlines()],
+        acc,
+        tree,
+    )
+    assert "prompt lookup" in text and "untrained" not in text
