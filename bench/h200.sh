@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# `snakemake all` on a lent GPU box without network, over several calls of at most 10 minutes
+# (what a call leaves in /tmp and in the ignored results/ folder stays while the box is warm):
+#   bash bench/h200.sh install            # wheels carried in .whl/ -> /tmp/site
+#   bash bench/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
+#   bash bench/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
+#   bash bench/h200.sh start CONFIG       # the pinned wheels into the wheel cache, then snakemake all
+#                                         # (or the targets in $TARGETS)
+#                                         # under setsid (a killed run is unlocked and resumed)
+#   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
+# A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+RUN=/tmp/dflash-run
+mkdir -p "$RUN" /tmp/stage
+
+case $1 in
+install)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers, polars, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'polars', polars.__version__)"
+  ;;
+probe)  # CONFIG's compile warmup on random weights, in the background: step times per bucket
+  # shape before the run starts, and a warm compile cache for it
+  setsid nohup python3 -m dflash warmup --config "$2" --target bench/configs/smollm2-135m \
+    --record "$RUN/probe.json" --cache-dir results/compile-cache > "$RUN/probe.log" 2>&1 < /dev/null &
+  ;;
+stage)
+  cp "$2"/* /tmp/stage/
+  ls -la /tmp/stage
+  grep "warmup {" "$RUN/probe.log" 2>/dev/null || true
+  ;;
+start)
+  for part in /tmp/stage/*.whl.part-a; do
+    [ -e "$part" ] || continue
+    whole=${part%.part-a}
+    cat "${whole}".part-* > "$whole" && rm "${whole}".part-*
+  done
+  # fetch_wheel's cache: <cache_dir>/wheels/<sha256>/<wheel>
+  for whl in /tmp/stage/*.whl; do
+    sha=$(sha256sum "$whl" | cut -d' ' -f1)
+    mkdir -p ~/.cache/dflash/wheels/"$sha"
+    cp "$whl" ~/.cache/dflash/wheels/"$sha"/
+    echo "cached $(basename "$whl") $sha"
+  done
+  SMK=(python3 -m snakemake --cores all --scheduler greedy ${TARGETS:-all} --configfile "$2")
+  "${SMK[@]}" --unlock > /dev/null 2>&1 || true
+  echo "start $(date +%s)" >> "$RUN/events"
+  setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
+  echo "snakemake started: $RUN/snakemake.log"
+  ;;
+wait)
+  deadline=$((SECONDS + $2))
+  while [ $SECONDS -lt "$deadline" ]; do
+    sleep 20
+    pgrep -f "snakemake --cores" > /dev/null || break
+    echo "$(date +%T) $(grep -cE '^Finished jobid' "$RUN/snakemake.log") jobs done; $(ls -t results/logs/*.log 2>/dev/null | head -1 | xargs -r tail -c 300 | tr '\r' '\n' | tail -1)"
+  done
+  grep -E "^\[|^(local)?rule |^Finished jobid|rror" "$RUN/snakemake.log" | tail -60
+  if [ -n "${OUT:-}" ]; then  # at most 8 files come back: one archive and the drafter's parts
+    files=$(cd results && ls summary.md MANIFEST.json eval/*.json train/metrics.jsonl train/summary.json \
+      data/stats/stats.json data/*/report.json data/tokenized/*.report.json compile/warmup.json \
+      manifests/*.json logs/*.log 2>/dev/null || true)
+    cp "$RUN/snakemake.log" results/logs/snakemake.run.log
+    (cd results && tar czf "$OUT/results.tgz" $files logs/snakemake.run.log)
+    if [ -e results/drafter/model.safetensors ]; then
+      split -b 15000000 results/drafter/model.safetensors "$OUT/drafter.safetensors.part-"
+      cp results/drafter/config.json "$OUT/drafter-config.json"
+    fi
+  fi
+  pgrep -f "snakemake --cores" > /dev/null && echo "STILL RUNNING" || echo "SNAKEMAKE ENDED"
+  ;;
+esac
