@@ -8,6 +8,9 @@
 #                                         # (or the targets in $TARGETS)
 #                                         # under setsid (a killed run is unlocked and resumed)
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
+#   bash bench/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
+#                                         # e.g. regenerated data) into results/: bench/stages.sh
+#                                         # then skips the stages whose outputs they are
 # A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +53,10 @@ start)
   echo "start $(date +%s)" >> "$RUN/events"
   setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "snakemake started: $RUN/snakemake.log"
+  ;;
+unpack)
+  mkdir -p results && cat "$2"/data.tar.part-* | tar x -C results
+  find results/data -name '*.parquet' | sort
   ;;
 wait)
   deadline=$((SECONDS + $2))
