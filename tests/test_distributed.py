@@ -137,6 +137,21 @@ def test_weights_depend_on_the_drafter_count_only(runs):
     assert len(one) == 1 and len(two) == 1 and one != two
 
 
+def test_distillation_trains_alike_from_a_separate_target_rank_and_a_colocated_one(
+    runs, data, target_dir, tmp_path
+):
+    """With train.distill the target's output travels with the features to a drafter rank:
+    the weights equal the colocated run's, and differ from the run without distillation."""
+    outs = []
+    for topo in [(1, 1), (0, 1)]:
+        out = tmp_path / f"{topo[0]}-{topo[1]}"
+        finish(launch(config(*topo, distill=0.5), data, target_dir, out, torchrun=topo != (0, 1)))
+        outs.append(out)
+    assert weights(outs[0]) == weights(outs[1]) != weights(runs[(1, 1)])
+    contract = json.loads(next((run_dir(outs[0])).glob("step-*/meta.json")).read_text())
+    assert contract["contract"]["train"]["distill"] == 0.5
+
+
 def test_same_topology_twice_gives_identical_weights(runs, data, target_dir, tmp_path):
     finish(launch(config(1, 2), data, target_dir, tmp_path))
     assert weights(tmp_path) == weights(runs[(1, 2)])

@@ -13,6 +13,7 @@ from dflash.model.objective import (
     block_mask,
     chunked_lm_loss,
     dense_mask,
+    dflash_loss,
     dflash_mask_mod,
     flex_attend,
     full_attend,
@@ -140,6 +141,73 @@ def test_chunked_ce_equals_full_ce_and_gradients():
     assert loss.item() == pytest.approx(full.item(), rel=1e-6)
     assert torch.allclose(grad, h.grad, atol=1e-6)
     assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+@pytest.mark.parametrize("distill", [0.0, 0.3, 1.0])
+def test_soft_label_ce_equals_cross_entropy_with_the_mixed_distribution(distill):
+    """With `distill`, each label is the token mixed with the target's own softmax; the fused
+    loss and its gradient equal F.cross_entropy against that distribution."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    target_h = torch.randn(37, 16, generator=g)
+    head = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    weights = torch.rand(37, generator=g)
+    loss, correct = chunked_lm_loss(
+        h, head, labels, weights, chunk_tokens=7, soft=(target_h, distill)
+    )
+    loss.backward()
+    grad, h.grad = h.grad.clone(), None
+    logits = h @ head.t()
+    label = (1 - distill) * F.one_hot(labels, 50).float() + distill * torch.softmax(
+        target_h @ head.t(), -1
+    )
+    full = (F.cross_entropy(logits, label, reduction="none") * weights).sum()
+    full.backward()
+    assert loss.item() == pytest.approx(full.item(), rel=1e-5)
+    assert torch.allclose(grad, h.grad, atol=1e-5)
+    assert torch.equal(correct, logits.argmax(-1) == labels)
+    if distill == 0.0:  # the soft path with weight 0 is the hard loss
+        assert loss.item() == pytest.approx(chunked_lm_loss(h, head, labels, weights)[0].item())
+
+
+def test_distill_reads_the_target_output_at_the_position_before_each_label():
+    """Slot k's soft label comes from the target's output at a+k-1 (where the target predicted
+    the token at a+k); the drafter itself reads only the target layers' features."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    drafter = Drafter(cfg)
+    ids, _, features, embed, _, _ = training_inputs(cfg, b=2, s=24)
+    loss_mask = torch.ones_like(ids)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    out = torch.randn(*ids.shape, cfg.hidden_size)
+    wide = torch.cat([features, out], -1)
+
+    def loss(feats, distill, lm_loss=None):
+        g = torch.Generator().manual_seed(0)
+        return dflash_loss(
+            drafter, embed, head, feats, ids, loss_mask, g, 4, distill=distill, lm_loss=lm_loss
+        )[0]
+
+    seen = {}
+
+    def spy(hidden, head_weight, labels, weights, chunk_tokens, soft=None):
+        seen["soft"] = soft
+        return chunked_lm_loss(hidden, head_weight, labels, weights, chunk_tokens, soft=soft)
+
+    loss(wide, 0.5, spy)
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(loss_mask, 4, g)
+    blocks = make_blocks(ids, loss_mask, anchors, valid, cfg.block_size, cfg.mask_token_id, 7.0)
+    source = (blocks.positions - 1).clamp(min=0)
+    expected = torch.stack([out[b, source[b]] for b in range(2)]).reshape(-1, cfg.hidden_size)
+    soft_hidden, weight = seen["soft"]
+    assert weight == 0.5 and torch.equal(soft_hidden, expected)
+    # the target's output does not reach the drafter: with distill 0 and the narrow features,
+    # and with distill 1e-9, the loss is the same
+    assert loss(features, 0.0).item() == pytest.approx(loss(wide, 1e-9).item(), rel=1e-5)
+    with pytest.raises(ValueError, match="then the target's output"):
+        loss(features, 0.5)
 
 
 def training_inputs(cfg, b=3, s=20, n=3, seed=0):

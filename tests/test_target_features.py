@@ -45,6 +45,26 @@ def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
     assert torch.allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
 
 
+def test_features_with_output_end_with_what_the_lm_head_reads(target_dir, batch):
+    """For distillation the whole target runs and its normed output comes after the layer
+    features: the LM head on it gives the target's own logits."""
+    ids, _, lengths = batch
+    attention = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+    full = load_target(target_dir)
+    with torch.no_grad():
+        logits = full(input_ids=ids, attention_mask=attention).logits
+    layer_ids = default_layer_ids(full.config.num_hidden_layers, 3)
+    narrow = TargetFeatures(load_target(target_dir), layer_ids)(ids, attention)
+    features = TargetFeatures(load_target(target_dir), layer_ids, with_output=True)
+    got = features(ids, attention)
+    assert len(features.decoder.layers) == full.config.num_hidden_layers
+    h = full.config.hidden_size
+    valid = attention.bool()
+    assert torch.equal(got[..., : 3 * h][valid], narrow[valid])
+    own = got[..., 3 * h :] @ features.lm_head.weight.t()
+    assert torch.allclose(own[valid], logits[valid], atol=1e-3, rtol=1e-3)
+
+
 def test_drafter_overfits_one_batch(target_dir, batch):
     ids, loss_mask, _ = batch
     target = load_target(target_dir)

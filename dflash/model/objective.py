@@ -204,15 +204,34 @@ def _ce_chunk_eager(logits, labels, weights, want_grad: bool):
     return total, correct, g.mul_(weights[:, None]).to(logits.dtype)
 
 
+def _soft_ce_chunk(logits, target_logits, labels, weights, distill: float, want_grad: bool):
+    """`_ce_chunk` against a soft label: the one-hot label mixed with the target's own softmax
+    at that position (weight `distill`): CE = lse - sum(label * logits), gradient
+    softmax - label. Correctness stays argmax == the token."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    onehot = (torch.arange(x.shape[1], device=x.device)[None] == labels[:, None]).float()
+    label = (1.0 - distill) * onehot + distill * torch.softmax(target_logits.float(), dim=-1)
+    total = ((lse - (label * x).sum(-1)) * weights).sum()
+    correct = x.argmax(-1) == labels
+    if not want_grad:
+        return total, correct, None
+    g = (torch.exp(x - lse[:, None]) - label) * weights[:, None]
+    return total, correct, g.to(logits.dtype)
+
+
 # Compiled: ~3 passes over a chunk's bf16 logits instead of ~10 eager passes over fp32 ones
 # (bench/gpu.py measures both). Compiled lazily, on first use.
 _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
+_soft_ce_chunk_compiled = torch.compile(_soft_ce_chunk, dynamic=False)
 
 
-def _fused_ce(hidden, head_weight, labels, weights, chunk_tokens, want_grad, compiled):
+def _fused_ce(hidden, head_weight, labels, weights, chunk_tokens, want_grad, compiled, soft=None):
     """(sum of weighted CE, correctness, d total / d hidden or None), one chunk of logits at a
-    time. Matmuls run in the head's dtype."""
+    time. Matmuls run in the head's dtype. `soft`: (target hidden (T, H), distill) for soft
+    labels, the target's logits computed chunk by chunk from its normed output."""
     ce_chunk = _ce_chunk_compiled if compiled else _ce_chunk_eager
+    soft_chunk = _soft_ce_chunk_compiled if compiled else _soft_ce_chunk
     n = hidden.shape[0]
     grad_hidden = torch.empty_like(hidden) if want_grad else None
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -220,7 +239,14 @@ def _fused_ce(hidden, head_weight, labels, weights, chunk_tokens, want_grad, com
     for start in range(0, n, chunk_tokens):
         sl = slice(start, start + chunk_tokens)
         logits = hidden[sl].to(head_weight.dtype) @ head_weight.t()
-        loss, correct[sl], g = ce_chunk(logits, labels[sl], weights[sl].float(), want_grad)
+        if soft is None:
+            loss, correct[sl], g = ce_chunk(logits, labels[sl], weights[sl].float(), want_grad)
+        else:
+            target_hidden, distill = soft
+            target_logits = target_hidden[sl].to(head_weight.dtype) @ head_weight.t()
+            loss, correct[sl], g = soft_chunk(
+                logits, target_logits, labels[sl], weights[sl].float(), distill, want_grad
+            )
         total = total + loss
         if want_grad:
             grad_hidden[sl] = g @ head_weight
@@ -232,9 +258,9 @@ class _FusedLinearCE(torch.autograd.Function):
     pass. The head is frozen: it gets no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk_tokens, compiled):
+    def forward(ctx, hidden, head_weight, labels, weights, chunk_tokens, compiled, soft):
         total, correct, grad_hidden = _fused_ce(
-            hidden, head_weight, labels, weights, chunk_tokens, True, compiled
+            hidden, head_weight, labels, weights, chunk_tokens, True, compiled, soft
         )
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(correct)
@@ -243,11 +269,17 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_correct):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def chunked_lm_loss(
-    hidden, head_weight, labels, weights, chunk_tokens: int = 1024, compiled: bool = False
+    hidden,
+    head_weight,
+    labels,
+    weights,
+    chunk_tokens: int = 1024,
+    compiled: bool = False,
+    soft=None,
 ):
     """sum(weights * CE(hidden @ head.T, labels)) and per-token correctness.
 
@@ -255,12 +287,15 @@ def chunked_lm_loss(
     computed in the forward pass (`_FusedLinearCE`), so the backward pass only scales it: two
     head matmuls per chunk instead of the three of a checkpointed chunk, and no full logits.
     hidden: (T, H), labels/weights: (T,). The head gets no gradient (it is frozen). `compiled`
-    fuses each chunk's softmax and gradient into two kernels (torch.compile).
+    fuses each chunk's softmax and gradient into two kernels (torch.compile). `soft`:
+    (the target's normed output at each label's previous position (T, H), distill weight).
     """
     if torch.is_grad_enabled() and hidden.requires_grad:
-        return _FusedLinearCE.apply(hidden, head_weight, labels, weights, chunk_tokens, compiled)
+        return _FusedLinearCE.apply(
+            hidden, head_weight, labels, weights, chunk_tokens, compiled, soft
+        )
     total, correct, _ = _fused_ce(
-        hidden, head_weight, labels, weights, chunk_tokens, False, compiled
+        hidden, head_weight, labels, weights, chunk_tokens, False, compiled, soft
     )
     return total, correct
 
@@ -300,8 +335,12 @@ def dflash_loss(
     compiled_flex: bool = False,
     compiled_ce: bool = False,
     lm_loss=None,
+    distill: float = 0.0,
 ):
-    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H).
+    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H), with the
+    target's normed output appended ((b, s, (n_layers+1)*H)) when `distill` > 0: the label of
+    slot k is then the one-hot token mixed with the target's own next-token distribution at
+    a+k-1 (weight `distill`), which says how sure the target was and what else it considered.
 
     `lm_loss(hidden, head_weight, labels, weights, chunk_tokens)` -> (weighted CE sum,
     correctness), default `chunked_lm_loss` (compiled if `compiled_ce`); bench/gpu.py swaps in
@@ -311,6 +350,13 @@ def dflash_loss(
     bs = cfg.block_size
     gamma = gamma or default_gamma(bs)
     b, s = input_ids.shape
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    need = width + (cfg.hidden_size if distill else 0)
+    if features.shape[-1] != need:
+        what = "the target layers' features" + (", then the target's output" if distill else "")
+        raise ValueError(f"features are {features.shape[-1]} wide; the step needs {need}: {what}")
+    target_out = features[..., width:] if distill else None
+    features = features[..., :width] if distill else features
     anchors, valid = sample_anchors(loss_mask, max_anchors, generator)
     blocks = make_blocks(input_ids, loss_mask, anchors, valid, bs, cfg.mask_token_id, gamma)
     q_len, kv_len = blocks.ids.shape[1], s + blocks.ids.shape[1]
@@ -331,6 +377,11 @@ def dflash_loss(
     weights = blocks.weights.view(-1)
     if lm_loss is None:
         lm_loss = functools.partial(chunked_lm_loss, compiled=compiled_ce)
+    if distill:
+        # slot k's label is the token at a+k; the target predicted it from position a+k-1
+        source = (blocks.positions - 1).clamp(0, s - 1)
+        soft = target_out.gather(1, source[:, :, None].expand(-1, -1, target_out.shape[-1]))
+        lm_loss = functools.partial(lm_loss, soft=(soft.reshape(-1, soft.shape[-1]), distill))
     total, correct = lm_loss(
         hidden.reshape(-1, hidden.shape[-1]),
         head_weight,

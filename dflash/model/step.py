@@ -51,6 +51,7 @@ class TrainStep:
         attention,
         compile: bool,
         wrap=None,
+        distill: float = 0.0,
     ):
         self.drafter = drafter
         self.model = torch.compile(drafter, dynamic=False) if compile else drafter
@@ -59,7 +60,7 @@ class TrainStep:
             self.model.config = drafter.config
         self.embed_tokens, self.head_weight = embed_tokens, head_weight
         self.max_anchors, self.gamma, self.attention = max_anchors, gamma, attention
-        self.compile = compile
+        self.compile, self.distill = compile, distill
 
     def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
         loss, metrics = self.loss(features, input_ids, loss_mask, generator)
@@ -83,7 +84,14 @@ class TrainStep:
                 backend=self.attention,
                 compiled_flex=self.compile and self.attention == "flex",
                 compiled_ce=self.compile and device == "cuda",
+                distill=self.distill,
             )
+
+
+def feature_width(config, distill: float = 0.0) -> int:
+    """Width of the features a step is fed: the drafter's target layers, and the target's
+    normed output after them when distilling."""
+    return (len(config.target_layer_ids) + (1 if distill else 0)) * config.hidden_size
 
 
 def run_shapes(step: TrainStep, shapes, width: int, vocab_size: int, dtype, steps=1, no_sync=None):

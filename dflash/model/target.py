@@ -37,21 +37,28 @@ def right_padded(mask: torch.Tensor) -> bool:
 
 
 class TargetFeatures(nn.Module):
-    """Concatenated hidden states of `layer_ids` for a batch, from a truncated frozen target."""
+    """Concatenated hidden states of `layer_ids` for a batch, from a truncated frozen target.
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    With `with_output`, the whole decoder runs and its normed output (what the LM head reads)
+    is appended after them: the target's own next-token distribution, for distillation
+    (`train.distill`).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], with_output: bool = False):
         super().__init__()
         self.layer_ids = list(layer_ids)
+        self.with_output = with_output
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         decoder = _decoder(model)
         n_layers = len(decoder.layers)
         if not all(0 <= i < n_layers for i in self.layer_ids):
             raise ValueError(f"target_layer_ids {self.layer_ids} outside 0..{n_layers - 1}")
-        # The model is consumed: its decoder keeps only the layers up to the deepest one read.
-        # Its config is left alone (it still describes the full target), and the decoder's
-        # forward simply runs out of layers there.
-        decoder.layers = nn.ModuleList(list(decoder.layers)[: max(self.layer_ids) + 1])
+        if not with_output:
+            # The model is consumed: its decoder keeps only the layers up to the deepest one
+            # read. Its config is left alone (it still describes the full target), and the
+            # decoder's forward simply runs out of layers there (its final norm is unused).
+            decoder.layers = nn.ModuleList(list(decoder.layers)[: max(self.layer_ids) + 1])
         self.decoder = decoder
         self.requires_grad_(False)
         self.eval()
@@ -77,10 +84,12 @@ class TargetFeatures(nn.Module):
         if attention_mask is not None and right_padded(attention_mask):
             attention_mask = None
         self._captured.clear()
-        self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        parts = [self._captured[i] for i in self.layer_ids]
+        if self.with_output:
+            parts.append(out.last_hidden_state)
         self._captured.clear()
-        return features
+        return torch.cat(parts, dim=-1)
 
 
 def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remote_code=False):

@@ -36,7 +36,7 @@ from dflash.manifest import code_hash, write_manifest
 from dflash.model.drafter import Drafter, DrafterConfig, init_from_target_top, save_drafter
 from dflash.model.objective import default_gamma
 from dflash.model.precision import native_bf16
-from dflash.model.step import TrainStep, resolve_attention, run_shapes
+from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
 from dflash.model.target import TargetFeatures, load_embeddings, load_target
 from dflash.model.tau_sim import simulate, tau_macro
 from dflash.train import TRAINING_CODE, comm
@@ -157,11 +157,15 @@ def out_of_memory_hint(what: str, ids: torch.Tensor, config: dict):
 
 
 class FeatureModel:
-    """A frozen target truncated to the drafter's layers; features in bf16."""
+    """A frozen target truncated to the drafter's layers (whole, with its output appended, when
+    distilling); features in bf16."""
 
     def __init__(self, target_dir: Path, layer_ids: list[int], device: torch.device, config):
         target = load_target(target_dir, dtype=target_dtype(device), device=device)
-        self.features = TargetFeatures(target, layer_ids)
+        distill = config["train"]["distill"] > 0
+        self.features = TargetFeatures(target, layer_ids, with_output=distill)
+        # what the drafter reads: the target layers' part of the features
+        self.drafter_width = len(layer_ids) * self.features.embed_tokens.weight.shape[1]
         self.device, self.config = device, config
         self.autocast = native_bf16(device)
         log.info("target features on %s: %s", device, "bf16" if self.autocast else "fp32")
@@ -188,6 +192,7 @@ class HeldOut:
         for ids, mask in zip(frame["input_ids"], frame["loss_mask"], strict=True):
             ids_t = torch.tensor([list(ids)], device=model.device)
             feats, _ = model(ids_t, torch.ones_like(ids_t))
+            feats = feats[..., : model.drafter_width]
             self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
 
     def tau_sim(self, drafter, embed, head, dtype: torch.dtype) -> float | None:
@@ -303,7 +308,7 @@ class Trainer:
         self.topo = ctx.topology
         self.device = ctx.device
         self.dcfg = drafter_config(config, target_dir)
-        self.width = len(self.dcfg.target_layer_ids) * self.dcfg.hidden_size
+        self.width = feature_width(self.dcfg, t["distill"])
         if self.topo.colocated:
             self.target = FeatureModel(target_dir, self.dcfg.target_layer_ids, self.device, config)
             embed = self.target.features.embed_tokens
@@ -338,6 +343,7 @@ class Trainer:
             attention=resolve_attention("auto", self.device),
             compile=config["compile"]["enabled"],
             wrap=self._ddp if self.ddp else None,
+            distill=t["distill"],
         )
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
@@ -363,7 +369,7 @@ class Trainer:
             "init": d["init"],
             "data_sha256": sha256_file(batches.path),
             "seed": config["seed"],
-            "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio")},
+            "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio", "distill")},
             "batching": {
                 k: data[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
             },

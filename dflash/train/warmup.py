@@ -57,7 +57,13 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
     from transformers import AutoConfig
 
     from dflash.model.drafter import Drafter, DrafterConfig
-    from dflash.model.step import TrainStep, resolve_attention, resolve_device, run_shapes
+    from dflash.model.step import (
+        TrainStep,
+        feature_width,
+        resolve_attention,
+        resolve_device,
+        run_shapes,
+    )
 
     dcfg, ccfg = config["drafter"], config["compile"]
     device = resolve_device(ccfg["device"])
@@ -82,8 +88,9 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         gamma=dcfg["gamma"],
         attention=attention,
         compile=ccfg["enabled"],
+        distill=config["train"]["distill"],
     )
-    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    width = feature_width(cfg, config["train"]["distill"])
     # step_s is the fastest step after the first: on an H200 the one step right after compiling
     # read 0.18 s for the (8, 2048) shape that trained at 0.11 s a step, a 1.6x misestimate
     records = []

@@ -26,6 +26,7 @@ rule warmup_compile:
             "data.max_length",
             "data.token_budget",
             "data.max_batch_size",
+            "train.distill",
         ),
         cache=COMPILE_CACHE,
         target=target_fingerprint(),
