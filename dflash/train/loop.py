@@ -37,7 +37,12 @@ from dflash.model.drafter import Drafter, DrafterConfig, init_from_target_top, s
 from dflash.model.objective import default_gamma
 from dflash.model.precision import native_bf16
 from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
-from dflash.model.target import TargetFeatures, load_embeddings, load_target
+from dflash.model.target import (
+    TargetFeatures,
+    load_embeddings,
+    load_target,
+    resolve_mask_token,
+)
 from dflash.model.tau_sim import simulate, tau_macro
 from dflash.train import TRAINING_CODE, comm
 from dflash.train.checkpoint import (
@@ -132,7 +137,7 @@ def drafter_config(config: dict, target_dir: Path) -> DrafterConfig:
         AutoConfig.from_pretrained(target_dir),
         d["num_layers"],
         d["block_size"],
-        config["target"]["mask_token_id"],
+        resolve_mask_token(target_dir, config["target"]["mask_token_id"]),
         d["target_layer_ids"],
     )
 

@@ -59,6 +59,15 @@ def target_input():
     return ancient(path) if path else f"{R}/manifests/target.json"
 
 
+if config["target"]["path"]:
+    # No rule builds a user's own target, so its facts are checked here, before any job runs
+    # (the target rule checks the targets it builds): otherwise a missing mask token would
+    # surface only once training starts, after regeneration.
+    from dflash.model.target import resolve_mask_token
+
+    resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+
+
 def target_fingerprint():
     """Identity of a user-supplied target directory without hashing gigabytes of weights."""
     path = config["target"]["path"]
