@@ -56,7 +56,7 @@ def config(targets: int, drafters: int, **train) -> dict:
     return c
 
 
-def launch(cfg: dict, data: Path, target: Path, out: Path, torchrun: bool = True):
+def launch(cfg: dict, data: Path, target: Path, out: Path, torchrun: bool = True, env=None):
     """`dflash train` under torchrun (its own session, so the test can kill the whole run)."""
     topo = cfg["train"]["topology"]
     world = topo["targets"] + topo["drafters"]
@@ -65,7 +65,7 @@ def launch(cfg: dict, data: Path, target: Path, out: Path, torchrun: bool = True
     cmd += ["--config", json.dumps(cfg), "--target", str(target), "--data", str(data)]
     cmd += ["--out", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]
     cmd += ["--summary", str(out / "summary.json"), "--checkpoints", str(out / "ckpt")]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
     return subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -305,6 +305,38 @@ def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_
     assert time.time() - started < 90
     assert "rank 0 (drafter 0): receiving batch" in err
     assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
+
+
+# Loaded by every process of the run (sitecustomize on PYTHONPATH): the target rank (RANK 1)
+# takes 4 s per batch, twice train.timeout_s, as a target on a CPU without bf16 units did.
+SLOW_TARGET = """
+import os
+if os.environ.get("RANK") == "1":
+    import time
+    import dflash.train.loop as loop
+    features = loop.FeatureModel.__call__
+    def slow(self, *args):
+        time.sleep(4)
+        return features(self, *args)
+    loop.FeatureModel.__call__ = slow
+"""
+
+
+def test_a_slow_but_alive_target_is_waited_for(data, target_dir, tmp_path):
+    """A peer slower than train.timeout_s keeps its heartbeat: the drafter warns, waits, and the
+    run ends with the same weights as at full speed (a frozen one fails: the test above)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_TARGET)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    cfg = config(1, 1, timeout_s=2, epochs=1)
+    err = finish(launch(cfg, data, target_dir, tmp_path / "slow", env=env))
+    assert (
+        "from rank 1 (target 0): nothing for 2 s (train.timeout_s), but rank 1 (target 0) is alive"
+        in err
+    )
+    finish(launch(cfg, data, target_dir, tmp_path / "fast"))
+    assert weights(tmp_path / "slow") == weights(tmp_path / "fast")
 
 
 def edit_contract(run: Path, **changes) -> None:

@@ -8,10 +8,14 @@ small stats tensor (the target's compute and blocked time, the queue depth at se
 which is how drafters learn about target throughput and queue depth without extra collectives.
 
 Every wait is bounded: by `startup_timeout_s` until the first batch has crossed a link (model
-loading and compilation happen then), by `timeout_s` afterwards. A peer that died or went silent
-becomes an error naming the peer, the batch and the cause, and torchrun then stops every other
-rank. The process group's own timeout (the backstop for collectives, and NCCL's watchdog) is the
-startup one.
+loading and compilation happen then), by `timeout_s` afterwards. When the bound passes, the peer's
+heartbeat decides: every rank bumps a counter in the rendezvous store once a second from a thread
+of its own (`Heartbeat`), which runs while the main thread computes. A peer whose counter still
+moves is alive and slow (a CPU without bf16 units, a slow filesystem, a long checkpoint): the
+wait goes on, with a warning each time the bound passes again. A peer whose counter stopped
+(frozen, stopped, its host gone) or that died becomes an error naming both ranks, the batch and
+the cause, and torchrun then stops every other rank. The process group's own timeout (the
+backstop for collectives, and NCCL's watchdog) is the startup one.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -50,6 +55,7 @@ class Dist:
     drafter_group: object | None = None
     timeout_s: float = 60.0
     startup_timeout_s: float = 900.0
+    store: object | None = None  # the rendezvous store, where heartbeats are kept
 
     @property
     def role(self) -> tuple[str, int]:
@@ -95,6 +101,46 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+HEARTBEAT_S = 1.0
+# A peer whose heartbeat did not move for this long is taken for frozen or gone.
+SILENT_HEARTBEATS_S = 5 * HEARTBEAT_S
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"dflash/heartbeat/{rank}"
+
+
+class Heartbeat:
+    """Bumps this rank's counter in the store every HEARTBEAT_S, from a daemon thread: it keeps
+    beating while the main thread computes (torch releases the GIL), and stops with the process
+    (killed, stopped, or its host gone)."""
+
+    def __init__(self, store, rank: int):
+        self.store, self.key = store, _heartbeat_key(rank)
+        store.add(self.key, 1)  # the key exists before any peer can look for it
+        threading.Thread(target=self._beat, name="dflash-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # the store went away: the run is ending
+                return
+
+
+def peer_alive(store, rank: int, window_s: float = SILENT_HEARTBEATS_S) -> bool:
+    """Did `rank`'s heartbeat move within `window_s`? (counted here: no clocks are compared)"""
+    key = _heartbeat_key(rank)
+    first = store.add(key, 0)
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(HEARTBEAT_S / 4)
+        if store.add(key, 0) != first:
+            return True
+    return False
+
+
 def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout_s: float) -> Dist:
     """Join the torchrun world (or run alone when the topology is one colocated drafter)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -124,6 +170,8 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
     # Every rank must create every group, in the same order.
     drafter_ranks = [topology.drafter_rank(d) for d in range(topology.drafters)]
     group = dist.new_group(drafter_ranks) if topology.drafters > 1 else None
+    store = dist.distributed_c10d._get_default_store()
+    Heartbeat(store, rank)
     return Dist(
         topology,
         rank,
@@ -131,30 +179,68 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
         drafter_group=group if rank in drafter_ranks else None,
         timeout_s=timeout_s,
         startup_timeout_s=startup_timeout_s,
+        store=store,
     )
 
 
-def _wait(work, ctx: Dist, what: str, started: bool) -> None:
-    """Wait for a p2p op, at most the startup or steady timeout; PeerError on failure."""
+def _completion(work, device: torch.device):
+    """A function that tells whether `work` is done. NCCL's wait() only orders streams, so its
+    completion is polled; gloo completes a p2p op only inside wait(), which a thread of its own
+    runs (an error there is re-raised by the returned function)."""
+    if device.type == "cuda":
+        return work.is_completed
+    outcome: dict = {}
+
+    def run():
+        try:
+            work.wait()
+        except RuntimeError as e:
+            outcome["error"] = e
+
+    waiter = threading.Thread(target=run, name="dflash-p2p-wait", daemon=True)
+    waiter.start()
+
+    def done() -> bool:
+        if waiter.is_alive():
+            return False
+        if "error" in outcome:
+            raise outcome["error"]
+        return True
+
+    return done
+
+
+def _wait(work, ctx: Dist, what: str, started: bool, peer: int) -> None:
+    """Wait for a p2p op with `peer`; past the startup or steady timeout, on only while the peer's
+    heartbeat moves. PeerError when the peer is frozen, gone, or the op fails."""
     limit, key = (ctx.timeout_s, "train.timeout_s")
     if not started:
         limit, key = (ctx.startup_timeout_s, "train.startup_timeout_s")
-    silent = f"{ctx.name}: {what}: nothing for {limit:g} s ({key}): the peer hangs or is gone"
+    peer_name = ctx.topology.name(peer)
     try:
-        if ctx.device.type == "cuda":
-            # NCCL's wait() only orders streams; poll the op's completion against a deadline.
+        done = _completion(work, ctx.device)
+        waited, deadline = 0.0, time.monotonic() + limit
+        while not done():
+            if time.monotonic() < deadline:
+                time.sleep(0.0002 if ctx.device.type == "cuda" else 0.01)
+                continue
+            waited += limit
+            if ctx.store is None or not peer_alive(ctx.store, peer):
+                raise PeerError(
+                    f"{ctx.name}: {what}: nothing for {waited:g} s ({key}) and no heartbeat "
+                    f"from {peer_name} for {SILENT_HEARTBEATS_S:g} s: the peer hangs or is gone"
+                )
+            log.warning(
+                "%s: %s: nothing for %g s (%s), but %s is alive (its heartbeat moves): waiting",
+                ctx.name,
+                what,
+                waited,
+                key,
+                peer_name,
+            )
             deadline = time.monotonic() + limit
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise PeerError(silent)
-                time.sleep(0.0002)
-        # gloo completes a p2p op only inside wait(), which takes the timeout itself.
-        work.wait(timeout=datetime.timedelta(seconds=limit))
     except RuntimeError as e:
-        cause = str(e).splitlines()[0][:300]
-        raise PeerError(
-            silent if "Timed out" in cause else f"{ctx.name}: {what}: {cause}"
-        ) from None
+        raise PeerError(f"{ctx.name}: {what}: {str(e).splitlines()[0][:300]}") from None
 
 
 class FeatureSender:
@@ -190,7 +276,7 @@ class FeatureSender:
     def _finish(self, dst: int, entry) -> None:
         work, _, _, _, batch = entry
         what = f"sending batch {batch} to {self.ctx.topology.name(dst)}"
-        _wait(work, self.ctx, what, started=dst in self.started)
+        _wait(work, self.ctx, what, started=dst in self.started, peer=dst)
         self.started.add(dst)
 
 
@@ -222,7 +308,7 @@ class FeatureReceiver:
             t0 = time.perf_counter()
             what = f"receiving batch {batch} from {self.ctx.topology.name(src)}"
             for work in works:
-                _wait(work, self.ctx, what, started)
+                _wait(work, self.ctx, what, started, peer=src)
             started = True
             if feats.is_cuda:
                 torch.cuda.current_stream().synchronize()
