@@ -102,6 +102,39 @@ def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow,
     assert "train" in flow.planned_jobs("train", config="local-target.yaml")
 
 
+def planned_resources(out: str) -> dict[str, dict[str, str]]:
+    """Rule -> its resources as a dry run prints them (`resources: a=1, b=x`)."""
+    plan, rule = {}, None
+    for line in out.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+        elif line.strip().startswith("resources:") and rule:
+            pairs = line.split("resources:", 1)[1].split(", ")
+            plan[rule] = dict(p.strip().split("=", 1) for p in pairs)
+    return plan
+
+
+def test_the_slurm_profile_sends_every_gpu_rule_to_gpus(tiny_workflow):
+    """With the real SLURM executor plugin, a dry run of the SLURM profile (on this host, which
+    has no GPU) asks GPUs for exactly the rules that use one, through the `gpu` resource: the
+    plugin rejects GPUs in slurm_extra."""
+    flow = tiny_workflow
+    profile = flow.repo / "workflow" / "profiles" / "slurm"
+    out = flow.run("-n", "-F", "all", "--workflow-profile", str(profile)).stdout
+    plan = planned_resources(out)
+    gpu_rules = {"regenerate_shard", "warmup_compile", "train", "eval_acceptance", "eval_ddtree"}
+    assert gpu_rules <= plan.keys() and "target" in plan
+    for rule, res in plan.items():
+        assert "--gres" not in res.get("slurm_extra", "") and "--gpus" not in res.get(
+            "slurm_extra", ""
+        ), rule
+        if rule in gpu_rules:
+            assert res["slurm_partition"] == "gpu" and int(res["gpu"]) >= 1, (rule, res)
+        else:
+            assert res["slurm_partition"] == "cpu" and res.get("gpu", "0") == "0", (rule, res)
+    assert plan["train"]["gpu"] == "2"  # tiny.yaml: 1 target + 1 drafter
+
+
 FROM_REGENERATION = {"regenerate_shard", "regenerate", "tokenize", "length_stats", "stats"}
 
 

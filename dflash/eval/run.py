@@ -35,6 +35,7 @@ from dflash.eval.decode import DrafterProposer, Generation, Proposer, generate, 
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.metrics import acceptance
 from dflash.eval.sets import EvalPrompt, load_eval_set
+from dflash.gpus import claim_gpu
 from dflash.io import sha256_file, write_json
 from dflash.manifest import write_manifest
 from dflash.model.drafter import Drafter, load_drafter
@@ -151,7 +152,9 @@ class Setup:
         from transformers import AutoTokenizer
 
         config = self.config = args.config
-        device = resolve_device(config["eval"]["device"])
+        # a GPU of its own where the host has several (the eval rules run side by side)
+        auto_gpu = config["eval"]["device"] == "auto" and torch.cuda.is_available()
+        device = claim_gpu() if auto_gpu else resolve_device(config["eval"]["device"])
         self.model = load_target(args.target, dtype=torch.float32, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(args.target)
         self.drafter = load_drafter(args.drafter, dtype=torch.float32, device=device).eval()

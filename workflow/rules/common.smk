@@ -19,7 +19,13 @@ PYTHON = shlex.quote(sys.executable)
 DFLASH = f"{PYTHON} -m dflash"
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
-HAS_GPU = shutil.which("nvidia-smi") is not None
+# Whether GPU rules ask for GPUs: on a SLURM login node there may be no nvidia-smi, yet the jobs
+# run on GPU nodes (the SLURM profile sets gpu_jobs: true).
+HAS_GPU = (
+    shutil.which("nvidia-smi") is not None
+    if config["gpu_jobs"] == "auto"
+    else config["gpu_jobs"] in (True, "true")
+)
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
 
 

@@ -35,6 +35,8 @@ rule eval_acceptance:
     log:
         f"{R}/logs/eval_acceptance.log",
     threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
@@ -58,6 +60,8 @@ rule eval_ddtree:
     log:
         f"{R}/logs/eval_ddtree.log",
     threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
