@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash.errors import UserError
 from dflash.io import read_json
 from dflash.record import VOLATILE, result_summaries, topology_summary
-from dflash.train import TRAINING_CONFIG
+from dflash.stages import TRAINING_CONFIG
 from dflash.verify import manifest_path
 
 # Below this relative change a throughput or τ difference is reported but not explained.

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from dflash.train.host import OtherCpuUse, parse_gpus, summarize_host
+from dflash.host import OtherCpuUse, parse_gpus, summarize_host
 
 # `nvidia-smi --query-gpu=GPU_QUERIES[0] --format=csv,noheader,nounits` on a three-GPU host: one
 # at full clock under the routine power cap, one hot, one whose driver reports no values

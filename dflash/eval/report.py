@@ -10,8 +10,8 @@ import itertools
 import json
 from pathlib import Path
 
+from dflash.host import describe_host
 from dflash.io import atomic_path, read_json
-from dflash.train.host import describe_host
 
 PLOTS = ("acceptance", "rates", "ddtree", "training", "throughput", "lengths")
 

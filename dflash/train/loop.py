@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dflash.data.batching import bucket_batch_size, bucket_bounds, plan_epoch
 from dflash.errors import UserError
+from dflash.host import HostMonitor, describe_host
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, write_manifest
 from dflash.model.drafter import Drafter, DrafterConfig, init_from_target_top, save_drafter
@@ -44,7 +45,8 @@ from dflash.model.target import (
     resolve_mask_token,
 )
 from dflash.model.tau_sim import simulate, tau_macro
-from dflash.train import TRAINING_CODE, comm
+from dflash.stages import TRAINING_CODE
+from dflash.train import comm
 from dflash.train.checkpoint import (
     check_contract,
     contract_diff,
@@ -52,7 +54,6 @@ from dflash.train.checkpoint import (
     load_state,
     save_checkpoint,
 )
-from dflash.train.host import HostMonitor, describe_host
 from dflash.train.telemetry import Window, step_record, summarize, sync
 from dflash.train.topology import Topology
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from dflash.train.host import summarize_host
+from dflash.host import summarize_host
 
 PHASES = ("wait", "features", "forward", "backward", "optimizer")
 

@@ -3,7 +3,7 @@
 # Snakemake deletes declared outputs of a failed job, and a rerun of this rule resumes from the
 # newest valid checkpoint.
 
-from dflash.train import TRAINING_CODE, TRAINING_CONFIG
+from dflash.stages import TRAINING_CODE, TRAINING_CONFIG
 
 TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
