@@ -152,6 +152,23 @@ def test_distillation_trains_alike_from_a_separate_target_rank_and_a_colocated_o
     assert contract["contract"]["train"]["distill"] == 0.5
 
 
+def test_tensorboard_shows_every_step_of_the_run(runs):
+    """Live curves: the run's event files hold the loss, τ and lr of every logged step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for topo in [(1, 1), (0, 1)]:
+        board = EventAccumulator(str(run_dir(runs[topo]) / "tensorboard"))
+        board.Reload()
+        logged = steps(runs[topo])
+        loss = board.Scalars("train/loss")
+        assert [e.step for e in loss] == [r["step"] for r in logged]
+        # event files hold float32
+        assert [e.value for e in loss] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
+        assert {"train/tau_teacher_forced", "train/lr", "throughput/tokens_per_s"} <= set(
+            board.Tags()["scalars"]
+        )
+
+
 def test_same_topology_twice_gives_identical_weights(runs, data, target_dir, tmp_path):
     finish(launch(config(1, 2), data, target_dir, tmp_path))
     assert weights(tmp_path) == weights(runs[(1, 2)])

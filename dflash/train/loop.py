@@ -47,6 +47,7 @@ from dflash.model.target import (
 from dflash.model.tau_sim import simulate, tau_macro
 from dflash.stages import TRAINING_CODE
 from dflash.train import comm
+from dflash.train.board import Board
 from dflash.train.checkpoint import (
     check_contract,
     contract_diff,
@@ -479,11 +480,15 @@ class Trainer:
         if self.ctx.rank == 0:
             keep_metrics_upto(live, self.step)
             self.host = HostMonitor(node_gpu_uuids(self.device))
+            self.board = Board(
+                self.run / "tensorboard", self.step, self.config["train"]["tensorboard"]
+            )
         try:
             self._train_epochs(live, trace)
         finally:
             if self.ctx.rank == 0:
                 self.host.close()
+                self.board.close()
 
     def _train_epochs(self, live: Path, trace: Trace) -> None:
         t = self.config["train"]
@@ -591,6 +596,7 @@ class Trainer:
             record["tau_sim"] = tau_sim
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        self.board.log(record)
         self.progress(record)
 
     def progress(self, record: dict) -> None:
