@@ -9,6 +9,8 @@ import pytest
 
 from dflash.io import sha256_file
 
+REPO = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.slow
 
 DATA_RULES = {"expand_dataset", "regenerate_shard", "regenerate", "tokenize", "length_stats"}
@@ -100,6 +102,28 @@ def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow,
     config["target"]["mask_token_id"] = 3
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
     assert "train" in flow.planned_jobs("train", config="local-target.yaml")
+
+
+def mermaid_edges(text: str) -> set[tuple[str, str]]:
+    """(from rule, to rule) of a Mermaid flowchart, with Snakemake's `idN[name]` nodes or bare
+    names."""
+    import re
+
+    names = dict(re.findall(r"(id\d+)\[(\w+)\]", text))
+    edges = re.findall(r"^\s*(\w+) --> (\w+)\s*$", text, flags=re.M)
+    return {(names.get(a, a), names.get(b, b)) for a, b in edges}
+
+
+def test_the_readme_graph_commands_run_and_its_rule_graph_is_current(tiny_workflow):
+    """The README's DAG command gives a graphviz graph, and its Mermaid picture of the rules is
+    the one `snakemake all --rulegraph mermaid-js` draws."""
+    flow = tiny_workflow
+    dag = flow.run("stats", "--dag").stdout
+    assert dag.lstrip().startswith("digraph") and dag.count("->") >= 5
+    drawn = mermaid_edges(flow.run("all", "--rulegraph", "mermaid-js").stdout)
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```mermaid", 1)[1].split("```", 1)[0]
+    assert drawn and mermaid_edges(block) == drawn
 
 
 def planned_resources(out: str) -> dict[str, dict[str, str]]:
