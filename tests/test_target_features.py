@@ -1,5 +1,7 @@
 """Target features from the real SmolLM2 target, and a drafter that learns from them."""
 
+from pathlib import Path
+
 import polars as pl
 import pytest
 import torch
@@ -54,6 +56,9 @@ def test_the_mask_token_is_the_configured_one_or_the_tokenizers_and_must_fit(tar
     from dflash.errors import UserError
 
     assert resolve_mask_token(target_dir, 3) == 3
+    # a configured id needs no tokenizer (bench/configs: a config.json alone, random weights)
+    config_only = Path(__file__).resolve().parents[1] / "bench/configs/smollm2-135m"
+    assert resolve_mask_token(config_only, 3) == 3
     with pytest.raises(UserError, match=r"has no mask token: .* special tokens: 0 '<\|endoftext"):
         resolve_mask_token(target_dir, None)  # SmolLM2's tokenizer has none
     with pytest.raises(UserError, match=r"mask_token_id=49152 is outside the vocabulary"):

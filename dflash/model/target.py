@@ -33,17 +33,19 @@ def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
 
     if not Path(model_dir).is_dir():
         raise UserError(f"target {model_dir}: no such directory")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    mask = configured if configured is not None else tokenizer.mask_token_id
-    if mask is None:
-        raise UserError(
-            f"target {model_dir} has no mask token: set target.mask_token_id to a special token "
-            f"id the chat template never emits; special tokens: "
-            + ", ".join(
-                f"{i} {tokenizer.convert_ids_to_tokens(i)!r}"
-                for i in sorted(tokenizer.all_special_ids)
+    mask = configured
+    if mask is None:  # the tokenizer only then: a benchmark's random target has none
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        mask = tokenizer.mask_token_id
+        if mask is None:
+            raise UserError(
+                f"target {model_dir} has no mask token: set target.mask_token_id to a special "
+                "token id the chat template never emits; special tokens: "
+                + ", ".join(
+                    f"{i} {tokenizer.convert_ids_to_tokens(i)!r}"
+                    for i in sorted(tokenizer.all_special_ids)
+                )
             )
-        )
     vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
     if not 0 <= mask < vocab:
         raise UserError(f"target.mask_token_id={mask} is outside the vocabulary (0..{vocab - 1})")
