@@ -183,12 +183,21 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
     )
 
 
-def _completion(work, device: torch.device):
-    """A function that tells whether `work` is done. NCCL's wait() only orders streams, so its
-    completion is polled; gloo completes a p2p op only inside wait(), which a thread of its own
-    runs (an error there is re-raised by the returned function)."""
+def _waiter(work, device: torch.device):
+    """`wait_for(seconds) -> bool`: whether `work` completed within `seconds`. NCCL's wait()
+    only orders streams, so its completion is polled; gloo completes a p2p op only inside
+    wait(), which a thread of its own runs (an error there is re-raised by `wait_for`)."""
     if device.type == "cuda":
-        return work.is_completed
+
+        def poll(seconds: float) -> bool:
+            deadline = time.monotonic() + seconds
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.0002)
+            return True
+
+        return poll
     outcome: dict = {}
 
     def run():
@@ -197,17 +206,16 @@ def _completion(work, device: torch.device):
         except RuntimeError as e:
             outcome["error"] = e
 
-    waiter = threading.Thread(target=run, name="dflash-p2p-wait", daemon=True)
-    waiter.start()
+    thread = threading.Thread(target=run, name="dflash-p2p-wait", daemon=True)
+    thread.start()
 
-    def done() -> bool:
-        if waiter.is_alive():
-            return False
+    def join(seconds: float) -> bool:
+        thread.join(seconds)
         if "error" in outcome:
             raise outcome["error"]
-        return True
+        return not thread.is_alive()
 
-    return done
+    return join
 
 
 def _wait(work, ctx: Dist, what: str, started: bool, peer: int) -> None:
@@ -218,12 +226,8 @@ def _wait(work, ctx: Dist, what: str, started: bool, peer: int) -> None:
         limit, key = (ctx.startup_timeout_s, "train.startup_timeout_s")
     peer_name = ctx.topology.name(peer)
     try:
-        done = _completion(work, ctx.device)
-        waited, deadline = 0.0, time.monotonic() + limit
-        while not done():
-            if time.monotonic() < deadline:
-                time.sleep(0.0002 if ctx.device.type == "cuda" else 0.01)
-                continue
+        wait_for, waited = _waiter(work, ctx.device), 0.0
+        while not wait_for(limit):
             waited += limit
             if ctx.store is None or not peer_alive(ctx.store, peer):
                 raise PeerError(
@@ -238,7 +242,6 @@ def _wait(work, ctx: Dist, what: str, started: bool, peer: int) -> None:
                 key,
                 peer_name,
             )
-            deadline = time.monotonic() + limit
     except RuntimeError as e:
         raise PeerError(f"{ctx.name}: {what}: {str(e).splitlines()[0][:300]}") from None
 
