@@ -28,11 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _value(text: str):
-    """YAML, but `2e-3` is a number (YAML 1.1 reads it as a string without a dot)."""
-    try:
-        return float(text) if "e" in text.lower() and not text.isalpha() else yaml.safe_load(text)
-    except ValueError:
-        return yaml.safe_load(text)
+    """YAML, where `2e-3` is a number (YAML 1.1 reads it as a string without a dot)."""
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def with_overrides(config: dict, pairs: list[str]) -> dict:
