@@ -4,7 +4,8 @@
 #   bash bench/h200.sh install            # wheels carried in .whl/ -> /tmp/site
 #   bash bench/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
 #   bash bench/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
-#   bash bench/h200.sh start CONFIG       # the pinned wheels into the wheel cache, then snakemake all
+#   bash bench/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
+#   bash bench/h200.sh start CONFIG       # cache, then snakemake all
 #                                         # (or the targets in $TARGETS)
 #                                         # under setsid (a killed run is unlocked and resumed)
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
@@ -35,19 +36,21 @@ stage)
   ls -la /tmp/stage
   grep "warmup {" "$RUN/probe.log" 2>/dev/null || true
   ;;
-start)
+cache)  # the staged wheels (parts joined) into fetch_wheel's cache: <cache_dir>/wheels/<sha256>/
   for part in /tmp/stage/*.whl.part-a; do
     [ -e "$part" ] || continue
     whole=${part%.part-a}
     cat "${whole}".part-* > "$whole" && rm "${whole}".part-*
   done
-  # fetch_wheel's cache: <cache_dir>/wheels/<sha256>/<wheel>
   for whl in /tmp/stage/*.whl; do
     sha=$(sha256sum "$whl" | cut -d' ' -f1)
     mkdir -p ~/.cache/dflash/wheels/"$sha"
     cp "$whl" ~/.cache/dflash/wheels/"$sha"/
     echo "cached $(basename "$whl") $sha"
   done
+  ;;
+start)
+  bash "$0" cache
   SMK=(python3 -m snakemake --cores all --scheduler greedy ${TARGETS:-all} --configfile "$2")
   "${SMK[@]}" --unlock > /dev/null 2>&1 || true
   echo "start $(date +%s)" >> "$RUN/events"
