@@ -258,9 +258,10 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert planned == {"eval_acceptance", "eval_ddtree", "report", "record"}
 
 
-def test_baselines_and_the_ddtree_subset_are_configurable(tiny_workflow, tmp_path):
-    """eval.baselines leaves the untrained drafter out (the summary does without it), and
-    eval.ddtree.max_prompts decodes trees and chain on the first prompts of each set only."""
+def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_workflow, tmp_path):
+    """eval.baselines leaves the untrained drafter out (the summary does without it),
+    eval.ddtree.max_prompts decodes trees and chain on the first prompts of each set only, and
+    eval.dtype bfloat16 decodes (and is reported) in bf16."""
     import subprocess
     import sys
 
@@ -272,6 +273,7 @@ def test_baselines_and_the_ddtree_subset_are_configurable(tiny_workflow, tmp_pat
     flow.run("all")
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     config["eval"] |= {"baselines": ["lookup"], "ddtree": {"budgets": [4], "max_prompts": 1}}
+    config["eval"]["dtype"] = "bfloat16"  # as a serving engine decodes: near ties forgiven
     r = flow.results
     common = ["--config", json.dumps(config), "--target", str(r / "target/hf")]
     common += ["--drafter", str(r / "drafter"), "--held-out", str(r / "data/expanded/eval.parquet")]
@@ -287,6 +289,7 @@ def test_baselines_and_the_ddtree_subset_are_configurable(tiny_workflow, tmp_pat
         assert done.returncode == 0, done.stderr[-3000:]
     acc = json.loads((tmp_path / "eval.json").read_text())
     assert set(acc["baselines"]) == {"target", "lookup"} and acc["n_prompts"] == 2
+    assert acc["dtype"] == "bfloat16" and isinstance(acc["near_ties"], dict)
     tree = json.loads((tmp_path / "ddtree.json").read_text())
     assert tree["n_prompts"] == 1 and [r["budget"] for r in tree["results"]] == [7, 4]
     text = summary_text(
@@ -295,4 +298,4 @@ def test_baselines_and_the_ddtree_subset_are_configurable(tiny_workflow, tmp_pat
         acc,
         tree,
     )
-    assert "prompt lookup" in text and "untrained" not in text
+    assert "prompt lookup" in text and "untrained" not in text and "(bfloat16; " in text

@@ -140,6 +140,15 @@ def _tau(m: dict) -> str:
     return f"{m['tau_macro']:.3f} | {m['tau_pooled']:.3f}"
 
 
+def _precision(acceptance: dict) -> str:
+    """The decoding dtype, and how many outputs parted from the target's at a near tie."""
+    dtype = acceptance.get("dtype", "float32")
+    ties = sum(map(len, (acceptance.get("near_ties") or {}).values()))
+    if dtype == "float32":
+        return " (float32: outputs equal token for token)"
+    return f" ({dtype}; {ties} outputs part from the target's own at a near tie, rounding)"
+
+
 def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     b = acceptance["baselines"]
     best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
@@ -151,7 +160,8 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         f"up to {acceptance['max_new_tokens']} new tokens):** τ = {acceptance['tau_macro']:.3f} "
         f"(macro: mean over prompts of each prompt's mean, as the DFlash benchmark reports it; "
         f"{acceptance['tau_pooled']:.3f} pooled) over {acceptance['n_prompts']} prompts; speedup "
-        f"{acceptance['speedup']:.2f}x over the target alone; lossless {acceptance['lossless']:.2f}.",
+        f"{acceptance['speedup']:.2f}x over the target alone; lossless {acceptance['lossless']:.2f}"
+        f"{_precision(acceptance)}.",
     ]
     if sim.get("tau_sim") is not None:
         match = sim["matching_rows"]
