@@ -372,6 +372,8 @@ def test_save_load_round_trip_and_public_layout(tmp_path):
     assert keys == expected  # no embedding, no LM head, no rotary buffers
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert (tmp_path / "d" / "dflash.py").read_text().startswith('"""The DFlash drafter')
     assert config["block_size"] == 4 and config["num_target_layers"] == 8
     assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 3, 5]}
     from transformers import Qwen3Config
@@ -380,6 +382,29 @@ def test_save_load_round_trip_and_public_layout(tmp_path):
         **{k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     )
     assert hf.num_hidden_layers == 2 and hf.head_dim == 8
+
+
+def test_automodel_with_remote_code_builds_the_drafter_and_drafts_what_it_does(tmp_path):
+    """The exported directory carries its modeling file (auto_map): transformers' usual loader
+    gives the DFlash class, not a plain Qwen3 model, and its block forward equals ours."""
+    from transformers import AutoModel
+
+    cfg = tiny_config()
+    model = Drafter(cfg).eval()
+    for p in model.parameters():  # nonzero everywhere, so a dropped weight would show
+        p.data.normal_(0, 0.3)
+    save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    hf = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True).eval()
+    assert type(hf).__name__ == "DFlashDraftModel"
+    assert hf.target_layer_ids == [1, 3, 5] and hf.mask_token_id == 3 and hf.block_size == 4
+    s, q = 7, cfg.block_size
+    feats = torch.randn(2, s, 3 * cfg.hidden_size)
+    block = torch.randn(2, q, cfg.hidden_size)
+    positions = torch.arange(s + q)[None].expand(2, -1)
+    with torch.no_grad():
+        ours = model(block, feats, positions[:, s:], positions[:, :s], full_attend)
+        theirs = hf(noise_embedding=block, target_hidden=feats, position_ids=positions)
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
 
 
 def test_default_layer_ids():

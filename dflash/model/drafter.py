@@ -10,6 +10,7 @@ DFlash loader reads.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dflash.io import atomic_path, write_json
+from dflash.model import modeling_dflash
 
 
 @dataclass
@@ -288,6 +290,12 @@ class Drafter(nn.Module):
 
 
 WEIGHTS = "model.safetensors"
+# The modeling file every exported directory ships, and the class config.json's auto_map names:
+# `AutoModel.from_pretrained(dir, trust_remote_code=True)` then builds the drafter itself.
+# Imported (not only read) so that it is part of the training code's hash: a change to it
+# reruns the export.
+MODELING = Path(modeling_dflash.__file__)
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def init_from_target_top(model: Drafter, target_dir: str | Path) -> list[str]:
@@ -317,13 +325,15 @@ def init_from_target_top(model: Drafter, target_dir: str | Path) -> list[str]:
 
 
 def save_drafter(model: Drafter, directory: str | Path, dtype=torch.bfloat16) -> None:
-    """Write config.json + model.safetensors atomically (as a whole directory)."""
+    """Write config.json + model.safetensors + the modeling file atomically (a whole directory)."""
     with atomic_path(directory, is_dir=True) as tmp:
         state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
         config = model.config.to_hf()
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        config["auto_map"] = AUTO_MAP
         write_json(tmp / "config.json", config)
+        shutil.copyfile(MODELING, tmp / "dflash.py")
 
 
 def load_drafter(directory: str | Path, dtype=torch.float32, device="cpu") -> Drafter:
