@@ -6,7 +6,7 @@ from dflash.compare import compare, render
 def record(**parts) -> dict:
     base = {
         "_name": "run",
-        "code": {"files": {"dflash/train/loop.py": "a", "dflash/compare.py": "a"}},
+        "code": {"files": {"dflash/train/loop.py": "a", "dflash/compare/causes.py": "a"}},
         "stages": {"train": {"code_files": ["dflash/train/loop.py"]}},
         "environment": {"torch": "2.13.0", "packages": {"torch": "2.13.0"}},
         "config": {"compile": {"enabled": True}, "train": {"lr": 1e-3}},
@@ -18,7 +18,7 @@ def record(**parts) -> dict:
 
 def test_an_edit_no_stage_ran_ranks_below_a_training_config_change():
     b = record(
-        code={"files": {"dflash/train/loop.py": "a", "dflash/compare.py": "b"}},
+        code={"files": {"dflash/train/loop.py": "a", "dflash/compare/causes.py": "b"}},
         config={"compile": {"enabled": False}, "train": {"lr": 1e-3}},
         train={"throughput": {"tokens_per_s": 600.0}},
     )
@@ -50,7 +50,7 @@ def test_a_busier_host_explains_a_slowdown_and_noise_or_a_quieter_host_does_not(
     # B is slower with an edited training module, on a host quieter than A's: the code is blamed
     busy = record(train=throughput(1000.0, host(0.8)))
     edited = record(
-        code={"files": {"dflash/train/loop.py": "b", "dflash/compare.py": "a"}},
+        code={"files": {"dflash/train/loop.py": "b", "dflash/compare/causes.py": "a"}},
         train=throughput(500.0, host(0.05)),
     )
     assert [c["kind"] for c in compare(busy, edited)["causes"]] == ["code", "host"]

@@ -325,7 +325,7 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
         "record",
     }
     assert edited_module(flow, "dflash/eval/report.py") == {"report", "record"}
-    assert edited_module(flow, "dflash/compare.py") == {"record"}
+    assert edited_module(flow, "dflash/compare/causes.py") == {"record"}
     assert planned(flow) == set()
 
 
