@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.eval.decode import DrafterProposer, Proposer, StaticSession, generate
-from dflash.eval.run import full_features
+from dflash.eval.predicted import full_features
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
 from dflash.model.tau_sim import response_spans, simulate, tau_macro, walk
