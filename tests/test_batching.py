@@ -7,7 +7,7 @@ from dflash.data.batching import bucket_bounds, plan_epoch, route
 from dflash.data.stats import length_stats
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
-from dflash.train.loop import Batches
+from dflash.train.batches import Batches
 from dflash.train.warmup import bucket_shapes
 
 

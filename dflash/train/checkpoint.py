@@ -1,7 +1,7 @@
 """Resumable checkpoints: atomic, sha256-verified, the last K kept, corrupt ones skipped.
 
 Layout: `<run folder>/step-00001200/{state.pt, meta.json, SHA256SUMS}` (the training loop names
-run folders by their contract, see `dflash.train.loop.run_folder`). A checkpoint is written into a
+run folders by their contract, see `dflash.train.runs.run_folder`). A checkpoint is written into a
 temporary sibling folder and renamed into place, so a crash mid-write never leaves a folder that
 looks complete. `meta.json` carries a resume contract (model shape, block size, gamma, anchors,
 data sha256, topology...): resuming under a different contract is refused with the keys that

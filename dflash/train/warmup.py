@@ -5,7 +5,7 @@ FX tracing (seen as crashes when one thread traces while another runs compiled c
 persistent cache every training process spends minutes recompiling on every start or resume. This
 stage compiles each (batch size, bucket length) shape once, in one process, into the
 inductor/Triton cache that training processes then point at. Compiled training pads every batch to
-its bucket's shape (`dflash.train.loop.Batches`), so the shapes follow from the config alone and
+its bucket's shape (`dflash.train.batches.Batches`), so the shapes follow from the config alone and
 the warmup can run while the data is still being regenerated.
 """
 

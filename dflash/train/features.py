@@ -1,0 +1,100 @@
+"""The frozen target on a training rank: the drafter's config for it, its features (bf16), and the
+held-out slice `tau_sim` is logged on."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from dflash.errors import UserError
+from dflash.model.drafter import DrafterConfig
+from dflash.model.precision import native_bf16
+from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
+from dflash.model.tau_sim import simulate, tau_macro
+from dflash.train.telemetry import sync
+
+log = logging.getLogger(__name__)
+
+
+def drafter_config(config: dict, target_dir: Path) -> DrafterConfig:
+    from transformers import AutoConfig
+
+    d = config["drafter"]
+    return DrafterConfig.for_target(
+        AutoConfig.from_pretrained(target_dir),
+        d["num_layers"],
+        d["block_size"],
+        resolve_mask_token(target_dir, config["target"]["mask_token_id"]),
+        d["target_layer_ids"],
+    )
+
+
+def target_dtype(device: torch.device) -> torch.dtype:
+    """bf16 weights on GPU; fp32 weights on CPU, under bf16 autocast where the CPU has bf16
+    units (2x faster there; 50x slower on one without, see `dflash.model.precision`)."""
+    return torch.bfloat16 if device.type == "cuda" and native_bf16(device) else torch.float32
+
+
+@contextlib.contextmanager
+def out_of_memory_hint(what: str, ids: torch.Tensor, config: dict):
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        data, d = config["data"], config["drafter"]
+        raise UserError(
+            f"out of memory in {what} on a batch of {ids.shape[0]} x {ids.shape[1]} tokens: "
+            f"lower data.token_budget (now {data['token_budget']}) or data.max_batch_size "
+            f"(now {data['max_batch_size']}), or drafter.max_anchors (now {d['max_anchors']})"
+        ) from None
+
+
+class FeatureModel:
+    """A frozen target truncated to the drafter's layers (whole, with its output appended, when
+    distilling); features in bf16."""
+
+    def __init__(self, target_dir: Path, layer_ids: list[int], device: torch.device, config):
+        target = load_target(target_dir, dtype=target_dtype(device), device=device)
+        distill = config["train"]["distill"] > 0
+        self.features = TargetFeatures(target, layer_ids, with_output=distill)
+        # what the drafter reads: the target layers' part of the features
+        self.drafter_width = len(layer_ids) * self.features.embed_tokens.weight.shape[1]
+        self.device, self.config = device, config
+        self.autocast = native_bf16(device)
+        log.info("target features on %s: %s", device, "bf16" if self.autocast else "fp32")
+
+    def __call__(self, ids, attention) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        with (
+            out_of_memory_hint("the target forward", ids, self.config),
+            torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
+        ):
+            feats = self.features(ids, attention).to(torch.bfloat16)
+        sync(self.device)
+        return feats, time.perf_counter() - t0
+
+
+class HeldOut:
+    """The fixed held-out slice `tau_sim` is logged on: the first rows of the tokenized eval
+    split and their target features, computed once (by a target loaded for the purpose when this
+    rank has none) and kept on the host."""
+
+    def __init__(self, path: Path, rows: int, model: FeatureModel):
+        frame = pl.read_parquet(path).head(rows)
+        self.rows = []
+        for ids, mask in zip(frame["input_ids"], frame["loss_mask"], strict=True):
+            ids_t = torch.tensor([list(ids)], device=model.device)
+            feats, _ = model(ids_t, torch.ones_like(ids_t))
+            feats = feats[..., : model.drafter_width]
+            self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
+
+    def tau_sim(self, drafter, embed, head, dtype: torch.dtype) -> float | None:
+        """Simulated real-decoding τ of the drafter as it is now (whole responses)."""
+        device = head.device
+        rows = ((f.to(device, dtype), ids, mask) for f, ids, mask in self.rows)
+        autocast = torch.bfloat16 if device.type == "cuda" else None
+        return tau_macro(simulate(drafter, embed, head, rows, autocast=autocast))

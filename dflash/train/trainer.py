@@ -1,0 +1,379 @@
+"""A drafter rank: the DFlash step under DDP, AdamW with a cosine schedule, checkpoints, and one
+logged line per optimizer step (live metrics, TensorBoard, tau_sim)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.errors import UserError
+from dflash.host import HostMonitor
+from dflash.io import sha256_file
+from dflash.manifest import code_hash
+from dflash.model.drafter import Drafter, init_from_target_top
+from dflash.model.objective import default_gamma
+from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
+from dflash.model.target import load_embeddings
+from dflash.stages import TRAINING_CODE
+from dflash.train import comm
+from dflash.train.batches import batch_generator
+from dflash.train.board import Board
+from dflash.train.checkpoint import load_state, save_checkpoint
+from dflash.train.features import (
+    FeatureModel,
+    HeldOut,
+    drafter_config,
+    out_of_memory_hint,
+    target_dtype,
+)
+from dflash.train.runs import Trace, keep_metrics_upto, resume_point
+from dflash.train.telemetry import Window, step_record, sync
+
+log = logging.getLogger(__name__)
+
+
+def cosine_with_warmup(total_steps: int, warmup_ratio: float):
+    warmup = max(1, round(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class Trainer:
+    """A drafter rank."""
+
+    def __init__(
+        self,
+        ctx: comm.Dist,
+        config: dict,
+        target_dir: Path,
+        batches,
+        checkpoints,
+        held_out: Path | None = None,
+    ):
+        self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
+        t, d, data = config["train"], config["drafter"], config["data"]
+        self.topo = ctx.topology
+        self.device = ctx.device
+        self.dcfg = drafter_config(config, target_dir)
+        self.width = feature_width(self.dcfg, t["distill"])
+        if self.topo.colocated:
+            self.target = FeatureModel(target_dir, self.dcfg.target_layer_ids, self.device, config)
+            embed = self.target.features.embed_tokens
+            head = self.target.features.lm_head.weight
+        else:
+            self.target = None
+            embed, head = load_embeddings(target_dir, target_dtype(self.device), self.device)
+            self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
+        self.held_out = None
+        if held_out is not None and t["tau_sim"]["every"] > 0 and ctx.rank == 0:
+            model = self.target or FeatureModel(
+                target_dir, self.dcfg.target_layer_ids, self.device, config
+            )
+            self.held_out = HeldOut(held_out, t["tau_sim"]["rows"], model)
+            del model
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        torch.manual_seed(config["seed"])  # every drafter starts from the same weights
+        self.drafter = Drafter(self.dcfg)
+        if d["init"] == "target_top":
+            copied = init_from_target_top(self.drafter, target_dir)
+            log.info("drafter.init: target_top: %d target tensors copied", len(copied))
+        self.drafter.to(self.device)
+        gamma = d["gamma"] or default_gamma(d["block_size"])
+        self.ddp = ctx.drafter_group is not None
+        self.step_fn = TrainStep(
+            self.drafter,
+            embed,
+            head,
+            max_anchors=d["max_anchors"],
+            gamma=gamma,
+            attention=resolve_attention("auto", self.device),
+            compile=config["compile"]["enabled"],
+            wrap=self._ddp if self.ddp else None,
+            distill=t["distill"],
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(),
+            lr=t["lr"],
+            weight_decay=t["weight_decay"],
+            betas=(0.9, 0.95),
+            fused=self.device.type == "cuda",
+        )
+        per_rank = self.topo.usable(len(batches.plan(0))) // self.topo.drafters
+        if per_rank == 0:
+            raise UserError(
+                f"an epoch has fewer batches than train.topology.drafters "
+                f"({self.topo.drafters}): use more data or fewer drafters"
+            )
+        self.total_steps = t["epochs"] * math.ceil(per_rank / t["grad_accum"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(self.total_steps, t["warmup_ratio"])
+        )
+        self.contract = {
+            "drafter": self.dcfg.to_hf(),
+            "gamma": gamma,
+            "max_anchors": d["max_anchors"],
+            "init": d["init"],
+            "data_sha256": sha256_file(batches.path),
+            "seed": config["seed"],
+            "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio", "distill")},
+            "batching": {
+                k: data[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
+            },
+            # Weights depend on the drafter count, not on how many targets feed them (or whether
+            # they are colocated): a run may resume with a different number of target ranks.
+            "drafters": self.topo.drafters,
+            # The training code itself (the train rule's code param): resuming a run with other
+            # code would silently mix two runs, or re-export a finished one.
+            "code": code_hash(*TRAINING_CODE),
+        }
+        self.step, self.epoch, self.position = 0, 0, 0
+
+    def _ddp(self, module):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            module, device_ids=ids, process_group=self.ctx.drafter_group, broadcast_buffers=False
+        )
+
+    def resume(self) -> None:
+        point = resume_point(self.ctx, self.checkpoints, self.contract)
+        self.run = Path(point["run"])
+        if point["folder"] is None:
+            return
+        state = load_state(Path(point["folder"]))
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"][self.topo.role(self.ctx.rank)[1]])
+        self.step, self.epoch, self.position = point["step"], point["epoch"], point["position"]
+        log.info(
+            "%s resumed from %s (step %d, epoch %d, batch %d)",
+            self.ctx.name,
+            point["folder"],
+            self.step,
+            self.epoch,
+            self.position,
+        )
+
+    @property
+    def live_metrics(self) -> Path:
+        return self.run / "metrics.live.jsonl"
+
+    def checkpoint(self) -> None:
+        rng = self.ctx.drafter_gather(torch.get_rng_state())  # collective: every drafter
+        if self.ctx.rank != 0:
+            return
+        state = {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+        }
+        meta = {"epoch": self.epoch, "position": self.position, "contract": self.contract}
+        keep = self.config["train"]["keep_checkpoints"]
+        save_checkpoint(self.run, self.step, state, meta, keep)
+
+    def features(self, plan, mine: list[int]):
+        """(batch, tensors, features, phase times, link stats) for this rank's batches."""
+        if self.topo.colocated:
+            for i in mine:
+                upper, rows = plan[i]
+                tensors = self.batches.tensors(rows, upper, self.device)
+                feats, seconds = self.target(tensors[0], tensors[2])
+                yield i, tensors, feats, {"features": seconds}, None
+            return
+        wanted = [
+            (i, self.topo.source_rank(i), (*self.batches.shape(*plan[i]), self.width)) for i in mine
+        ]
+        for i, feats, stats, wait in self.receiver.stream(wanted):
+            upper, rows = plan[i]
+            yield i, self.batches.tensors(rows, upper, self.device), feats, {"wait": wait}, stats
+
+    def compile_shapes(self) -> None:
+        """Run every batch shape once before training, so no compile stalls a peer mid-run.
+
+        With the warmup rule's cache these are cache hits; gradients are discarded.
+        """
+        plan = self.batches.plan(0)
+        # the warmup's order (by length): the same graphs in the sequence it filled the cache
+        shapes = sorted({self.batches.shape(u, rows) for u, rows in plan}, key=lambda s: s[::-1])
+        started = time.perf_counter()
+        no_sync = self.step_fn.model.no_sync if self.ddp else None
+        vocab = self.dcfg.vocab_size
+        run_shapes(self.step_fn, shapes, self.width, vocab, self.compute_dtype, no_sync=no_sync)
+        log.info(
+            "%s compiled %d shapes in %.1f s",
+            self.ctx.name,
+            len(shapes),
+            time.perf_counter() - started,
+        )
+
+    def fit(self) -> None:
+        """Train to the end (resuming if this run has checkpoints)."""
+        self.resume()
+        live = self.live_metrics
+        trace = Trace(self.run / "telemetry", self.ctx.rank)
+        if self.config["compile"]["enabled"]:
+            self.compile_shapes()
+        if self.ctx.rank == 0:
+            keep_metrics_upto(live, self.step)
+            self.host = HostMonitor(node_gpu_uuids(self.device))
+            self.board = Board(
+                self.run / "tensorboard", self.step, self.config["train"]["tensorboard"]
+            )
+        try:
+            self._train_epochs(live, trace)
+        finally:
+            if self.ctx.rank == 0:
+                self.host.close()
+                self.board.close()
+
+    def _train_epochs(self, live: Path, trace: Trace) -> None:
+        t = self.config["train"]
+        accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
+        while self.epoch < t["epochs"]:
+            plan = self.batches.plan(self.epoch)
+            usable = self.topo.usable(len(plan))
+            per_rank = usable // self.topo.drafters
+            mine = self.topo.batches(self.ctx.rank, len(plan), self.position)
+            window, metrics = Window(), []
+            for i, (ids, mask, attention), feats, phases, stats in self.features(plan, mine):
+                micro = i // self.topo.drafters  # this drafter's micro-batch index in the epoch
+                last = (micro + 1) % accum == 0 or micro + 1 == per_rank
+                for phase, seconds in phases.items():
+                    window.time[phase] += seconds
+                if stats is not None:
+                    window.link(self.topo.source_rank(i), stats)
+                window.tokens += int(attention.sum())
+                trace(
+                    epoch=self.epoch,
+                    batch=i,
+                    src=self.topo.source_rank(i),
+                    **{f"{k}_s": v for k, v in phases.items()},
+                )
+                no_sync = self.step_fn.model.no_sync if self.ddp and not last else None
+                with no_sync() if no_sync else contextlib.nullcontext():
+                    with out_of_memory_hint("the drafter step", ids, self.config):
+                        t0 = time.perf_counter()
+                        loss, m = self.step_fn.loss(
+                            feats.to(dtype), ids, mask, batch_generator(seed, self.epoch, i)
+                        )
+                        sync(self.device)
+                        t1 = time.perf_counter()
+                        (loss / accum).backward()
+                        sync(self.device)
+                window.time["forward"] += t1 - t0
+                window.time["backward"] += time.perf_counter() - t1
+                metrics.append(m)
+                if not last:
+                    continue
+                self.position = (micro + 1) * self.topo.drafters
+                t2 = time.perf_counter()
+                lr = self.scheduler.get_last_lr()[0]
+                grad_norm = self.optimizer_step()
+                sync(self.device)
+                window.time["optimizer"] += time.perf_counter() - t2
+                sim_started = time.perf_counter()
+                tau_sim = self.simulated_tau()
+                window.start += time.perf_counter() - sim_started  # not training time
+                self.log_step(window, metrics, i, lr, grad_norm, live, tau_sim)
+                window, metrics = Window(), []
+                if self.step % t["checkpoint_every"] == 0 and self.position != usable:
+                    self.checkpoint()
+            self.epoch, self.position = self.epoch + 1, 0
+            self.checkpoint()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Features enter the step in bf16 on GPU (autocast); fp32 on CPU."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+    def optimizer_step(self) -> float:
+        clip = self.config["train"]["grad_clip"]
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(norm)
+
+    def simulated_tau(self) -> float | None:
+        """tau_sim on the held-out slice every `train.tau_sim.every` steps and at the last."""
+        if self.held_out is None:
+            return None
+        every = self.config["train"]["tau_sim"]["every"]
+        if self.step % every and self.step != self.total_steps:
+            return None
+        step = self.step_fn
+        return self.held_out.tau_sim(
+            self.drafter, step.embed_tokens, step.head_weight, self.compute_dtype
+        )
+
+    def log_step(
+        self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path, tau_sim
+    ):
+        mean = {
+            "loss": statistics.fmean(m["loss"] for m in metrics),
+            "tau": statistics.fmean(m["tau"] for m in metrics),
+            "acc": [statistics.fmean(a) for a in zip(*(m["acc"] for m in metrics), strict=True)],
+        }
+        gathered = self.ctx.drafter_gather((window.close(self.device), mean))
+        if self.ctx.rank != 0:
+            return
+        windows, means = zip(*gathered, strict=True)
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch": batch,
+            "lr": lr,
+            "grad_norm": round(grad_norm, 4),
+            **step_record(list(windows), self.topo, list(means)),
+            "host": self.host.window(),
+        }
+        if tau_sim is not None:
+            record["tau_sim"] = tau_sim
+        with live.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        self.board.log(record)
+        self.progress(record)
+
+    def progress(self, record: dict) -> None:
+        queue = record.get("queue_depth")
+        depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
+        sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
+        line = (
+            f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+            f"tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s{depth}"
+        )
+        if sys.stderr.isatty():
+            done = record["step"] / self.total_steps
+            bar = "#" * int(30 * done)
+            print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
+        else:
+            log.info(line)
+
+
+def node_gpu_uuids(device: torch.device) -> list[str]:
+    """The GPUs this node's ranks use: rank r takes cuda:LOCAL_RANK (comm.init)."""
+    if device.type != "cuda":
+        return []
+    ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(ranks)]
