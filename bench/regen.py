@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.data.expand import read_rows  # noqa: E402
-from dflash.data.regenerate import (  # noqa: E402
+from dflash.data.generation import (  # noqa: E402
     Generator,
     plan_batches,
     regenerate_batch,

@@ -108,7 +108,7 @@ def test_static_engine_regenerates_what_transformers_generate_does(target_dir, t
     refilled), turns in two prompt tiers (two cache sizes), and a turn whose prompt
     fills max_prompt ending its conversation in both."""
     from dflash.data.expand import read_rows
-    from dflash.data.regenerate import (
+    from dflash.data.generation import (
         Generator,
         _prompt_ids,
         regenerate_batch,

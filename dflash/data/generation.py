@@ -1,0 +1,240 @@
+"""The target answering conversations turn by turn, greedily: a fixed-batch path (transformers'
+`generate`) and a continuous one (`BatchedGreedy`: rows refilled as they finish, prompts in a few
+length tiers so compiled graphs are reused). A turn is conditioned on the target's own earlier
+answers, as the target would have held the conversation."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from dflash.errors import UserError
+from dflash.gpus import claim_gpu
+from dflash.model.engine import BatchedGreedy
+from dflash.model.precision import resolve_dtype
+
+
+def _prompt_ids(tokenizer, turns: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def plan_batches(rows: list[dict], tokenizer, batch_size: int) -> list[list[str]]:
+    """Row ids per batch: sorted by first-prompt length (then id), cut into fixed batches."""
+
+    def first_prompt_len(row):
+        turns = row["conversations"]
+        first_user = next(i for i, t in enumerate(turns) if t["role"] == "user")
+        return len(_prompt_ids(tokenizer, turns[: first_user + 1]))
+
+    order = sorted(rows, key=lambda r: (first_prompt_len(r), r["id"]))
+    return [[r["id"] for r in order[i : i + batch_size]] for i in range(0, len(order), batch_size)]
+
+
+class Generator:
+    """Batched greedy generation with the target (left padding, KV cache)."""
+
+    def __init__(self, target_dir: Path, dtype: str, device: str, max_new_tokens: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # auto: a GPU no other job holds (shards run one per GPU, in parallel), else the CPU
+        self.device = claim_gpu() if device == "auto" else torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.tokenizer.padding_side = "left"
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = sorted({self.tokenizer.eos_token_id, *self._config_eos()} - {None})
+        if not self.eos_ids:
+            raise UserError(f"{target_dir}: the target defines no end-of-sequence token")
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_ids[0]
+
+    def _config_eos(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """Greedy continuations (without the end-of-turn token) and whether each finished."""
+        width = max(map(len, prompts))
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            do_sample=False,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            # A static cache avoids re-concatenating the KV cache every step (half the CPU time).
+            cache_implementation="static",
+        )
+        results = []
+        for row in out[:, width:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            # the ids exactly as generated, including the stop token when there is one
+            results.append((row[: stop + 1], True) if stop is not None else (row, False))
+        return results
+
+
+class Conversation:
+    """One row being regenerated: its turns so far and the assistant turns still to do. Each
+    assistant turn is answered with the turns before it as the prompt, earlier assistant turns
+    already replaced by the target's own answers."""
+
+    def __init__(self, row: dict):
+        self.row = row
+        self.turns = [dict(t) for t in row["conversations"]]
+        self.todo = [i for i, t in enumerate(self.turns) if t["role"] == "assistant"]
+        self.truncated: list[int] = []
+        self.turn_ids: list[list[int]] = []
+        self.dropped_turns = 0
+
+    def prompt(self, tokenizer, max_prompt: int) -> list[int] | None:
+        """The next turn's prompt, or None (and the conversation ends here, see `end_here`)
+        when it fills `max_prompt` tokens."""
+        prompt = _prompt_ids(tokenizer, self.turns[: self.todo[0]])
+        if len(prompt) < max_prompt:
+            return prompt
+        self.end_here()
+        return None
+
+    def answer(self, tokens: list[int], finished: bool, tokenizer) -> None:
+        turn = self.todo.pop(0)
+        content = tokens[:-1] if finished else tokens
+        self.turns[turn]["content"] = tokenizer.decode(content, skip_special_tokens=True)
+        self.turn_ids.append(tokens)
+        if not finished:
+            self.truncated.append(turn)
+
+    def end_here(self) -> None:
+        """Drop the next assistant turn and all after it: its prompt alone fills the training
+        length, so nothing of it could be trained on."""
+        self.dropped_turns = len(self.todo)
+        self.turns = self.turns[: self.todo[0]]
+        self.todo = []
+
+    def result(self) -> dict:
+        return {
+            "id": self.row["id"],
+            "source": self.row["source"],
+            "conversations": self.turns,
+            "truncated_turns": self.truncated,
+            "turn_token_ids": self.turn_ids,
+        }
+
+
+def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
+    """Regenerate all assistant turns of the rows, turn by turn across the batch (transformers'
+    `generate`, every turn waiting for the batch's longest answer)."""
+    convs = [Conversation(r) for r in rows]
+    n_tokens = 0
+    while todo := [c for c in convs if c.todo]:
+        ready, prompts = [], []
+        for conv in todo:
+            if (prompt := conv.prompt(gen.tokenizer, max_prompt)) is not None:
+                ready.append(conv)
+                prompts.append(prompt)
+        if ready:
+            for conv, (tokens, finished) in zip(ready, gen.generate(prompts), strict=True):
+                conv.answer(tokens, finished, gen.tokenizer)
+                n_tokens += len(tokens)
+    return convs, n_tokens
+
+
+def prompt_tiers(max_prompt: int, smallest: int = 256) -> list[int]:
+    """Prompt-length limits of the static engine's caches: powers of two from `smallest`, then
+    `max_prompt` (a prompt is always shorter than that)."""
+    tiers = []
+    while smallest < max_prompt:
+        tiers.append(smallest)
+        smallest *= 2
+    return [*tiers, max_prompt]
+
+
+def regenerate_continuous(
+    gen: Generator, rows: list[dict], max_prompt: int, on_done, batch: int, tiers=None
+):
+    """Regenerate the rows through the static engine, `batch` rows at a time, keeping every
+    cache row busy: a row whose turn ends takes the same conversation's next turn or the next
+    conversation at once. `on_done(conversation)` is called as each one completes; returns the
+    new tokens.
+
+    Each turn runs in the engine of its prompt's tier (`prompt_tiers`; capacity = tier +
+    max_new_tokens), tiers in increasing order: a decode step attends over the whole cache, so a
+    300-token prompt should not pay for a 2,560-row one. The tier is a function of the prompt's
+    own length and the batch is fixed, so a row's tokens still depend only on its own prompt.
+    A conversation's later turns have longer prompts: they join the same or a later tier.
+    """
+    tiers = tiers or prompt_tiers(max_prompt)
+    queues: list[deque] = [deque() for _ in tiers]
+    n_tokens = 0
+
+    def enqueue(conv: Conversation, first: bool = False) -> None:
+        prompt = conv.prompt(gen.tokenizer, max_prompt)
+        if prompt is None:
+            on_done(conv)
+            return
+        queue = queues[bisect_left(tiers, len(prompt))]
+        if first:  # a conversation's next turn goes first, so conversations finish early
+            queue.appendleft((conv, prompt))
+        else:
+            queue.append((conv, prompt))
+
+    def end_turn(conv: Conversation, tokens: list[int], finished: bool) -> None:
+        nonlocal n_tokens
+        conv.answer(tokens, finished, gen.tokenizer)
+        n_tokens += len(tokens)
+        if conv.todo:
+            enqueue(conv, first=True)
+        else:
+            on_done(conv)
+
+    for row in rows:
+        enqueue(Conversation(row))
+    for tier, queue in zip(tiers, queues, strict=True):
+        if queue:
+            engine = BatchedGreedy(gen.model, batch, tier + gen.max_new_tokens, prompt_width=tier)
+            _drain(gen, engine, queue, end_turn)
+            del engine  # its caches and graphs, before the next tier's are allocated
+    return n_tokens
+
+
+def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> None:
+    """Decode the queued (conversation, prompt) turns with every cache row kept busy; a turn
+    ends at a stop token or max_new_tokens (`end_turn` may queue that conversation's next)."""
+    slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
+
+    def settle(slot: int) -> None:
+        conv, tokens = slots[slot]
+        finished = tokens[-1] in gen.eos_ids
+        if finished or len(tokens) >= gen.max_new_tokens:
+            slots[slot] = None
+            end_turn(conv, tokens, finished)
+
+    while queue or any(slots):
+        free = [slot for slot, busy in enumerate(slots) if busy is None]
+        wanted = min(engine.prefill_rows, len(queue))
+        # prefill in full calls while sequences are decoding; waiting a few steps for free rows
+        # costs less than a call per prompt
+        if free and wanted and (len(free) >= wanted or not any(slots)):
+            take = free[:wanted]
+            turns = [queue.popleft() for _ in take]
+            firsts = engine.prefill(take, [prompt for _, prompt in turns])
+            for slot, (conv, _), token in zip(take, turns, firsts, strict=True):
+                slots[slot] = (conv, [token])
+                settle(slot)
+            continue
+        for slot, token in enumerate(engine.step()):
+            if slots[slot] is not None:
+                slots[slot][1].append(token)
+                settle(slot)
