@@ -69,7 +69,9 @@ def start(args) -> None:
             stderr=log,
             cwd=ROOT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # a lock folder per variant: the evaluations claim "a GPU of their own" (dflash.gpus)
+            # and would otherwise run one after the other on the one GPU they all share
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_GPU_LOCKS": str(folder / "gpus")},
         )
         print(f"{name}: {' '.join(pairs) or '(the config as is)'} -> {folder}")
 
