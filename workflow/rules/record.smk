@@ -2,35 +2,8 @@
 # depend on. `verify` re-hashes against it; `dflash compare` diffs two of them.
 from pathlib import Path
 
-from snakemake.io import is_flagged
-
 from dflash.manifest import PACKAGE_ROOT
 from dflash.record import git_state, source_files
-
-
-def recorded_rules():
-    """The rules whose outputs this config produces."""
-    names = ["expand_dataset", "tokenize", "length_stats", "warmup_compile", "train"]
-    names += ["eval_acceptance", "eval_ddtree", "report"]
-    if not config["target"]["path"]:
-        names.append("target")
-    if config["data"]["regenerate"]["enabled"]:
-        names += ["regenerate_shard", "regenerate"]
-    return names
-
-
-def declared_outputs(folders=True):
-    """Every output those rules declare, wildcards filled in (logs and working state are not
-    outputs and are not recorded); without directory() outputs if not `folders`."""
-    paths = set()
-    for name in recorded_rules():
-        for pattern in workflow.get_rule(name).output:
-            if folders or not is_flagged(pattern, "directory"):
-                # both splits: the eval rules read the eval split even when data.eval_rows is 0
-                paths.update(
-                    expand(str(pattern), split=["train", "eval"], shard=range(SHARDS))
-                )
-    return sorted(paths)
 
 
 rule record:

@@ -10,13 +10,6 @@ TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
 
 
-def held_out_rows(wildcards):
-    """The tokenized eval split, read for tau_sim when there is one and it is on."""
-    if "eval" in SPLITS and config["train"]["tau_sim"]["every"] > 0:
-        return {"held_out": f"{R}/data/tokenized/eval.parquet"}
-    return {}
-
-
 rule train:
     """Train the drafter; write it in the public DFlash HF layout, per-step metrics and a summary."""
     input:
