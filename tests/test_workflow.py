@@ -240,7 +240,7 @@ def test_on_several_nodes_the_train_rule_runs_the_tested_launcher_through_srun(t
     shutil.copy(TESTS / "data/local.jsonl", tmp_path)  # the workflow hashes local sources
     out = Workflow(REPO, tmp_path).run("-n", "-p", "train", config="two-nodes.yaml").stdout
     (train,) = [line for line in out.splitlines() if " -m dflash train " in line]
-    node = shlex.join(launch.command(config["train"], 2))
+    node = shlex.join(launch.command(config["train"], 2, python="python"))
     assert node.startswith("srun --nodes 2 --ntasks-per-node 1 ")
     assert f" OMP_NUM_THREADS=2 {node} -m dflash train " in train
 

@@ -6,6 +6,7 @@ import shlex
 import shutil
 import sys
 
+from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 
 from dflash.config import validate as dflash_validate
@@ -17,9 +18,6 @@ from dflash.manifest import code_hash, environment_hash
 dflash_validate(config, "workflow config")
 
 R = config["results"]
-# The CLI of the Python running Snakemake, so rules work without an activated environment.
-PYTHON = shlex.quote(sys.executable)
-DFLASH = f"{PYTHON} -m dflash"
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
 # Whether GPU rules ask for GPUs: on a SLURM login node there may be no nvidia-smi, yet the jobs
@@ -30,6 +28,27 @@ HAS_GPU = (
     else config["gpu_jobs"] in (True, "true")
 )
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
+
+
+def environment_bin():
+    """The bin folder of the Python running Snakemake, whose `python` must be that Python."""
+    folder = os.path.dirname(sys.executable)
+    python = os.path.join(folder, "python")
+    if not (os.path.exists(python) and os.path.samefile(python, sys.executable)):
+        raise WorkflowError(
+            f"{python} is not the Python running Snakemake ({sys.executable}), which the rules"
+            " call as `python`: run Snakemake from a virtual environment (scripts/setup.sh)"
+        )
+    return folder
+
+
+# Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
+# (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
+# jobs' PATH, which srun passes on to every node. Not a param: where the environment lives is no
+# reason to rerun, what it holds is (ENV_HASH).
+shell.prefix(
+    f'set -euo pipefail; export PATH={shlex.quote(environment_bin())}:"$PATH"; '
+)
 
 
 def config_json(*paths):

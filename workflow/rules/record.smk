@@ -19,19 +19,23 @@ rule record:
     log:
         f"{R}/logs/record.log",
     params:
+        results=lambda wildcards, output: os.path.dirname(output[0]),
+        workflow_dir=workflow.basedir,
         config=json.dumps(config, sort_keys=True),
         code=source_files(Path(workflow.basedir)),
         git=git_state(PACKAGE_ROOT.parent),
         env=ENV_HASH,
         artefacts=declared_outputs(),
     shell:
-        "{DFLASH} record --config {params.config:q} --results {R}"
-        " --workflow-dir {workflow.basedir} --output {output} {params.artefacts} > {log} 2>&1"
+        "python -m dflash record --config {params.config:q} --results {params.results}"
+        " --workflow-dir {params.workflow_dir} --output {output} {params.artefacts} > {log} 2>&1"
 
 
 rule verify:
     """Re-hash every artefact against results/MANIFEST.json (always runs; fails on a mismatch).
     No input on purpose: Snakemake would first bring the record up to date, re-recording a
     corrupted file instead of catching it."""
+    params:
+        results=R,
     shell:
-        "{DFLASH} verify {R}"
+        "python -m dflash verify {params.results}"

@@ -30,16 +30,19 @@ rule train:
     params:
         config=config_json(*TRAINING_CONFIG),
         # torchrun on one node; srun starting one torchrun per node on `train.nnodes`
-        launch=shlex.join(launch.command(config["train"], WORLD)),
+        launch=shlex.join(launch.command(config["train"], WORLD, python="python")),
         # the cores of a node shared by the ranks it runs (a thread count is no rerun trigger)
         omp_threads=lambda wildcards, threads: max(
             1, threads // launch.procs_per_node(config["train"], WORLD)
         ),
+        # the drafter's folder (derived from the output, so no rerun trigger of its own)
+        drafter=lambda wildcards, output: os.path.dirname(output.drafter[0]),
         checkpoints=f"{R}/checkpoints",
         held_out=lambda wildcards, input: (
             f"--held-out {input.held_out}" if "held_out" in input.keys() else ""
         ),
-        target=target_fingerprint(),
+        target=TARGET,
+        target_files=target_fingerprint(),
         cache=COMPILE_CACHE,
         code=code_hash(*TRAINING_CODE),
         env=ENV_HASH,
@@ -47,6 +50,6 @@ rule train:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
         " OMP_NUM_THREADS={params.omp_threads}"
         " {params.launch} -m dflash train"
-        " --config {params.config:q} --target {TARGET} --data {input.data}"
-        " --out {DRAFTER} --metrics {output.metrics} --summary {output.summary} {params.held_out}"
+        " --config {params.config:q} --target {params.target} --data {input.data}"
+        " --out {params.drafter} --metrics {output.metrics} --summary {output.summary} {params.held_out}"
         " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
