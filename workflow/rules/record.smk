@@ -35,7 +35,10 @@ rule verify:
     """Re-hash every artefact against results/MANIFEST.json (always runs; fails on a mismatch).
     No input on purpose: Snakemake would first bring the record up to date, re-recording a
     corrupted file instead of catching it."""
+    log:
+        f"{R}/logs/verify.log",
     params:
         results=R,
+    # on the terminal too: what differs is the answer the user ran this for
     shell:
-        "python -m dflash verify {params.results}"
+        "python -m dflash verify {params.results} 2>&1 | tee {log}"
