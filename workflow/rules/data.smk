@@ -14,8 +14,8 @@ rule target:
         code=code_hash("dflash.model.convert"),
         env=ENV_HASH,
     shell:
-        "python -m dflash target --config {params.config:q} --out {output.model} --info {output.info}"
-        " --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash target --config {params.config:q} --out {output.model}"
+        " --info {output.info} --manifest {output.manifest} > {log} 2>&1"
 
 
 rule expand_dataset:
@@ -42,8 +42,8 @@ rule expand_dataset:
         code=code_hash("dflash.data.expand"),
         env=ENV_HASH,
     shell:
-        "python -m dflash expand --config {params.config:q} --train {output.train} --eval {output.eval}"
-        " --report {output.report} --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash expand --config {params.config:q} --train {output.train}"
+        " --eval {output.eval} --report {output.report} --manifest {output.manifest} > {log} 2>&1"
 
 
 SHARDS = config["data"]["regenerate"]["shards"]
@@ -97,8 +97,9 @@ rule regenerate:
         code=code_hash("dflash.data.regenerate"),
         env=ENV_HASH,
     shell:
-        "python -m dflash merge-shards --config '{{}}' --input {input.rows} --shard-files {input.shards}"
-        " --output {output.rows} --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash merge-shards --config '{{}}' --input {input.rows}"
+        " --shard-files {input.shards} --output {output.rows} --manifest {output.manifest}"
+        " > {log} 2>&1"
 
 
 rule tokenize:

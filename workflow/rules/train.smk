@@ -51,5 +51,6 @@ rule train:
         " OMP_NUM_THREADS={params.omp_threads}"
         " {params.launch} -m dflash train"
         " --config {params.config:q} --target {params.target} --data {input.data}"
-        " --out {params.drafter} --metrics {output.metrics} --summary {output.summary} {params.held_out}"
-        " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
+        " --out {params.drafter} --metrics {output.metrics} --summary {output.summary}"
+        " {params.held_out} --checkpoints {params.checkpoints} --manifest {output.manifest}"
+        " > {log} 2>&1"
