@@ -3,10 +3,13 @@
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import polars as pl
@@ -16,6 +19,7 @@ from dflash.compare import compare
 from dflash.data.batching import bucket_bounds, plan_epoch
 from dflash.io import sha256_file
 from dflash.record import train_summary
+from dflash.train import launch as launch_command
 from dflash.train.checkpoint import PATTERN
 from dflash.train.topology import Topology
 
@@ -57,11 +61,13 @@ def config(targets: int, drafters: int, **train) -> dict:
 
 
 def launch(cfg: dict, data: Path, target: Path, out: Path, torchrun: bool = True, env=None):
-    """`dflash train` under torchrun (its own session, so the test can kill the whole run)."""
+    """`dflash train` under the train rule's torchrun command for one node (its own session, so
+    the test can kill the whole run)."""
     topo = cfg["train"]["topology"]
     world = topo["targets"] + topo["drafters"]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    cmd = [sys.executable, *(launcher if torchrun else []), "-m", "dflash", "train"]
+    train = {"nnodes": 1, "rdzv_endpoint": None} | cfg["train"]
+    launcher = launch_command.torchrun(train, world) if torchrun else [sys.executable]
+    cmd = [*launcher, "-m", "dflash", "train"]
     cmd += ["--config", json.dumps(cfg), "--target", str(target), "--data", str(data)]
     cmd += ["--out", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]
     cmd += ["--summary", str(out / "summary.json"), "--checkpoints", str(out / "ckpt")]
@@ -173,6 +179,42 @@ def test_same_topology_twice_gives_identical_weights(runs, data, target_dir, tmp
     finish(launch(config(1, 2), data, target_dir, tmp_path))
     assert weights(tmp_path) == weights(runs[(1, 2)])
     assert steps(tmp_path) == steps(runs[(1, 2)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def node_of(torchrun_stderr: str) -> tuple:
+    """(node rank, node count, global ranks there), from the rendezvous result torchrun logs."""
+    keys = ("group_rank", "group_world_size", "global_ranks")
+    return tuple(
+        json.loads(re.search(rf"\s{k}=(\S+)$", torchrun_stderr, flags=re.M).group(1)) for k in keys
+    )
+
+
+@pytest.mark.parametrize("topo", [(1, 1), (0, 2)])
+def test_two_nodes_meeting_at_a_c10d_endpoint_train_the_single_node_weights(
+    runs, data, target_dir, tmp_path, topo
+):
+    """Two torchruns on this host, each a node started with the train rule's per-node command,
+    meet at a c10d endpoint on localhost. The ranks split over them (1+1: features cross nodes;
+    0+2: the drafters' all-reduce does), and the steps and weights are the single-node run's."""
+    cfg = config(*topo, nnodes=2, rdzv_endpoint=f"localhost:{free_port()}")
+    env = {"LOGLEVEL": "INFO"}  # torchrun then logs each node's rendezvous result
+    nodes = [launch(cfg, data, target_dir, tmp_path, env=env) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            errs = list(pool.map(finish, nodes))  # both at once: neither blocks on a full pipe
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert sorted(map(node_of, errs)) == [(0, 2, [0]), (1, 2, [1])]  # one rank per node
+    assert steps(tmp_path) == steps(runs[topo])
+    assert weights(tmp_path) == weights(runs[topo])
 
 
 def test_telemetry_names_links_roles_and_the_bottleneck(runs):

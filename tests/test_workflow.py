@@ -1,13 +1,16 @@
 """The data workflow on the tiny config: real Snakemake, real target, real ShareGPT rows."""
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
 import polars as pl
 import pytest
+from conftest import TESTS, Workflow
 
 from dflash.io import sha256_file
+from dflash.train import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -223,6 +226,23 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     changed["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(changed))
     assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}
+
+
+def test_on_several_nodes_the_train_rule_runs_the_tested_launcher_through_srun(tmp_path):
+    """train.nnodes 2: srun starts on each node the torchrun command that test_distributed runs
+    as two nodes on one host (dflash.train.launch), and a node's ranks share its cores (2 here,
+    one rank per node)."""
+    import yaml
+
+    config = yaml.safe_load((TESTS / "data/tiny.yaml").read_text())
+    config["train"] |= {"nnodes": 2, "rdzv_endpoint": "node1:29500"}
+    (tmp_path / "two-nodes.yaml").write_text(yaml.safe_dump(config))
+    shutil.copy(TESTS / "data/local.jsonl", tmp_path)  # the workflow hashes local sources
+    out = Workflow(REPO, tmp_path).run("-n", "-p", "train", config="two-nodes.yaml").stdout
+    (train,) = [line for line in out.splitlines() if " -m dflash train " in line]
+    node = shlex.join(launch.command(config["train"], 2, python="python"))
+    assert node.startswith("srun --nodes 2 --ntasks-per-node 1 ")
+    assert f" OMP_NUM_THREADS=2 {node} -m dflash train " in train
 
 
 def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):

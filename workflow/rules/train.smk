@@ -4,34 +4,10 @@
 # newest valid checkpoint.
 
 from dflash.stages import TRAINING_CODE, TRAINING_CONFIG
+from dflash.train import launch
 
 TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
-
-
-def launcher():
-    """torchrun, standalone on one node; on `train.nnodes` nodes one torchrun per node (srun)
-    meeting at a c10d rendezvous."""
-    t = config["train"]
-    torchrun = f"{PYTHON} -m torch.distributed.run"
-    if t["nnodes"] == 1:
-        return f"{torchrun} --standalone --nnodes 1 --nproc-per-node {WORLD}"
-    if WORLD % t["nnodes"] or not t["rdzv_endpoint"]:
-        raise ValueError(
-            "train.nnodes > 1 needs train.rdzv_endpoint and targets + drafters divisible by nnodes"
-        )
-    return (
-        f"srun --nodes {t['nnodes']} --ntasks-per-node 1 {torchrun}"
-        f" --nnodes {t['nnodes']} --nproc-per-node {WORLD // t['nnodes']}"
-        f" --rdzv-backend c10d --rdzv-endpoint {t['rdzv_endpoint']} --rdzv-id dflash-train"
-    )
-
-
-def held_out_rows(wildcards):
-    """The tokenized eval split, read for tau_sim when there is one and it is on."""
-    if "eval" in SPLITS and config["train"]["tau_sim"]["every"] > 0:
-        return {"held_out": f"{R}/data/tokenized/eval.parquet"}
-    return {}
 
 
 rule train:
@@ -53,19 +29,28 @@ rule train:
         gpu=WORLD if HAS_GPU else 0,
     params:
         config=config_json(*TRAINING_CONFIG),
-        launch=launcher(),
+        # torchrun on one node; srun starting one torchrun per node on `train.nnodes`
+        launch=shlex.join(launch.command(config["train"], WORLD, python="python")),
+        # the cores of a node shared by the ranks it runs (a thread count is no rerun trigger)
+        omp_threads=lambda wildcards, threads: max(
+            1, threads // launch.procs_per_node(config["train"], WORLD)
+        ),
+        # the drafter's folder (derived from the output, so no rerun trigger of its own)
+        drafter=lambda wildcards, output: os.path.dirname(output.drafter[0]),
         checkpoints=f"{R}/checkpoints",
         held_out=lambda wildcards, input: (
             f"--held-out {input.held_out}" if "held_out" in input.keys() else ""
         ),
-        target=target_fingerprint(),
+        target=TARGET,
+        target_files=target_fingerprint(),
         cache=COMPILE_CACHE,
         code=code_hash(*TRAINING_CODE),
         env=ENV_HASH,
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
-        " OMP_NUM_THREADS=$(( {threads} / {WORLD} > 0 ? {threads} / {WORLD} : 1 ))"
+        " OMP_NUM_THREADS={params.omp_threads}"
         " {params.launch} -m dflash train"
-        " --config {params.config:q} --target {TARGET} --data {input.data}"
-        " --out {DRAFTER} --metrics {output.metrics} --summary {output.summary} {params.held_out}"
-        " --checkpoints {params.checkpoints} --manifest {output.manifest} > {log} 2>&1"
+        " --config {params.config:q} --target {params.target} --data {input.data}"
+        " --out {params.drafter} --metrics {output.metrics} --summary {output.summary}"
+        " {params.held_out} --checkpoints {params.checkpoints} --manifest {output.manifest}"
+        " > {log} 2>&1"
