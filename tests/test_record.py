@@ -95,6 +95,7 @@ FLIPPED = [
     "target/hf/tokenizer.json",
     "drafter/model.safetensors",
     "drafter/config.json",
+    "drafter/dflash.py",
     "train/metrics.jsonl",
     "eval/acceptance.json",
     "report/acceptance.png",

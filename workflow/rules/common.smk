@@ -72,9 +72,11 @@ def config_json(*paths):
 TARGET = config["target"]["path"] or f"{R}/target/hf"
 # The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
 TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
-# The trained drafter, declared as files (config.json + model.safetensors).
+# The trained drafter, declared as files: its config, weights and modeling file (auto_map).
 DRAFTER = f"{R}/drafter"
-DRAFTER_FILES = [f"{DRAFTER}/config.json", f"{DRAFTER}/model.safetensors"]
+DRAFTER_FILES = [
+    f"{DRAFTER}/{f}" for f in ("config.json", "model.safetensors", "dflash.py")
+]
 
 
 def target_input():
