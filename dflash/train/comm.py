@@ -56,6 +56,14 @@ class Dist:
     timeout_s: float = 60.0
     startup_timeout_s: float = 900.0
     store: object | None = None  # the rendezvous store, where heartbeats are kept
+    heartbeat: Heartbeat | None = None
+
+    def close(self) -> None:
+        """Stop the heartbeat, then leave the process group."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     @property
     def role(self) -> tuple[str, int]:
@@ -118,15 +126,23 @@ class Heartbeat:
     def __init__(self, store, rank: int):
         self.store, self.key = store, _heartbeat_key(rank)
         store.add(self.key, 1)  # the key exists before any peer can look for it
-        threading.Thread(target=self._beat, name="dflash-heartbeat", daemon=True).start()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="dflash-heartbeat", daemon=True)
+        self.thread.start()
 
     def _beat(self) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
+        while not self.stopped.wait(HEARTBEAT_S):
             try:
                 self.store.add(self.key, 1)
             except Exception:  # the store went away: the run is ending
                 return
+
+    def stop(self) -> None:
+        """Before the process group is torn down: a store call still running in this thread
+        while the store is destroyed (or the interpreter exits) can abort the process
+        ("terminate called without an active exception", seen once on two nodes)."""
+        self.stopped.set()
+        self.thread.join(timeout=2 * HEARTBEAT_S)
 
 
 def peer_alive(store, rank: int, window_s: float = SILENT_HEARTBEATS_S) -> bool:
@@ -171,7 +187,7 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
     drafter_ranks = [topology.drafter_rank(d) for d in range(topology.drafters)]
     group = dist.new_group(drafter_ranks) if topology.drafters > 1 else None
     store = dist.distributed_c10d._get_default_store()
-    Heartbeat(store, rank)
+    heartbeat = Heartbeat(store, rank)
     return Dist(
         topology,
         rank,
@@ -180,6 +196,7 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
         timeout_s=timeout_s,
         startup_timeout_s=startup_timeout_s,
         store=store,
+        heartbeat=heartbeat,
     )
 
 

@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dflash.errors import UserError
 from dflash.host import describe_host
 from dflash.io import atomic_path, write_json
@@ -82,8 +80,7 @@ def run(args) -> None:
         raise
     except UserError as e:
         raise UserError(f"{ctx.name}: {e}") from None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    ctx.close()
 
 
 def _run(ctx: comm.Dist, args) -> None:
