@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from dflash.config import validate
-from dflash.data.expand import collect, split
+from dflash.data.expand import collect, opening_prompt, split
 from dflash.data.sources import DataError
 from dflash.wheels import WheelError, fetch_wheel
 
@@ -138,13 +138,36 @@ def test_parquet_source(tmp_path):
 
 
 def test_split_is_deterministic_and_independent_of_source_order():
-    rows = [{"id": f"{i:04x}", "source": "s", "conversations": []} for i in range(50)]
-    train_a, eval_a = split(rows, seed=3, eval_rows=5, train_rows=20)
-    train_b, eval_b = split(list(reversed(rows)), seed=3, eval_rows=5, train_rows=20)
+    rows = [_row(f"{i:04x}", f"question {i}") for i in range(50)]
+    train_a, eval_a, _ = split(rows, seed=3, eval_rows=5, train_rows=20)
+    train_b, eval_b, _ = split(list(reversed(rows)), seed=3, eval_rows=5, train_rows=20)
     assert train_a == train_b and eval_a == eval_b
     assert len(train_a) == 20 and len(eval_a) == 5
     assert not {r["id"] for r in train_a} & {r["id"] for r in eval_a}
     assert split(rows, seed=4, eval_rows=5, train_rows=20)[1] != eval_a
+
+
+def _row(row_id: str, question: str, answer: str = "a", system: str | None = None) -> dict:
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": system})
+    return {"id": row_id, "source": "s", "conversations": turns}
+
+
+def test_no_training_row_opens_with_a_held_out_prompt():
+    """A reposted prompt (other answers, other later turns) gets the same regenerated first
+    answer: the held-out rows' prompts are distinct and none opens a training row."""
+    rows = [_row(f"{i:04x}", f"question {i % 10}", answer=f"answer {i}") for i in range(40)]
+    rows += [_row("s1", "question 3", system="be brief")]  # another prompt: the system turn
+    train, held_out, overlap = split(rows, seed=0, eval_rows=4, train_rows=None)
+    prompts = [opening_prompt(r) for r in held_out]
+    assert len(held_out) == 4 and len(set(prompts)) == 4
+    assert not {opening_prompt(r) for r in train} & set(prompts)
+    # every row is in one split or counted as left out
+    assert len(train) + len(held_out) + overlap == len(rows)
+    assert overlap == sum(opening_prompt(r) in prompts for r in rows) - 4 > 0
+    # whitespace differences do not make a reposted prompt new
+    assert opening_prompt(_row("x", " question\n 3 ")) == opening_prompt(_row("y", "question 3"))
 
 
 def test_cli_failure_leaves_no_output(messy, tmp_path):
