@@ -154,6 +154,9 @@ def eval_summary(acceptance: dict, ddtree: dict) -> dict:
             "ddtree_tau": {b: r["tau_macro"] for b, r in trees.items()},
             "lossless": min(acceptance["lossless"], ddtree["lossless"]),
             "n_prompts": acceptance["n_prompts"],
+            # the text τ was measured on: the target's own greedy tokens, and its precision
+            "reference_sha256": acceptance.get("reference_sha256"),
+            "dtype": acceptance.get("dtype"),
         },
         "speed": {
             "tokens_per_s": {name: m["tokens_per_s"] for name, m in methods.items()},

@@ -68,3 +68,24 @@ def test_gpu_throttling_and_a_foreign_process_are_host_causes():
         "GPU throttling none → thermal (hardware)",
         "other processes on the GPUs 0 → 1",
     ]
+
+
+def evaluated(tau: float, reference: str, dtype: str = "bfloat16") -> dict:
+    quality = {"tau_macro": {"drafter": tau}, "reference_sha256": reference, "dtype": dtype}
+    return {"quality": quality}
+
+
+def test_a_tau_change_on_other_reference_text_says_so():
+    """Two bf16 evaluations whose target decoded different text judged on different prompts'
+    continuations: the τ effect names it; with the same reference text it does not."""
+    a = record(eval=evaluated(3.0, "aa"))
+
+    def tau_effect(b):
+        (effect,) = [e for e in compare(a, b)["effects"] if e["metric"] == "tau"]
+        return effect
+
+    tau = tau_effect(record(eval=evaluated(2.8, "bb")))
+    assert tau["change_pct"] == -6.7
+    assert any("target's own greedy output differs" in e for e in tau["evidence"])
+    same = tau_effect(record(eval=evaluated(2.8, "aa")))
+    assert not any("greedy output" in e for e in same["evidence"])

@@ -256,6 +256,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert acc["lossless"] == 1.0 and acc["n_prompts"] == 2 and acc["block_size"] == 8
     assert set(acc["baselines"]) == {"target", "lookup", "untrained"}
     assert acc["baselines"]["target"]["tau_macro"] == 1.0  # no drafts: one token per forward
+    assert len(acc["reference_sha256"]) == 64  # the text every method was judged on
     assert 1.0 <= acc["tau_macro"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
     sim = acc["tau_sim"]  # the held-out prompts' regenerated rows, walked as decoding walks
     assert sim["rows"] == 2 and 1.0 <= sim["tau_sim"] <= 8.0 and sim["gap_pct"] is not None

@@ -144,6 +144,13 @@ def effects(a: dict, b: dict) -> list[dict]:
             va, vb = dig(a, f"eval.quality.{key}"), dig(b, f"eval.quality.{key}")
             if va != vb:
                 evidence.append(f"{key.split('.')[0]}: {describe_change(va, vb)}")
+        ra, rb = dig(a, "eval.quality.reference_sha256"), dig(b, "eval.quality.reference_sha256")
+        if ra and rb and ra != rb:
+            evidence.append(
+                "the target's own greedy output differs (reference_sha256): τ was measured on "
+                f"other text (eval dtype {dig(a, 'eval.quality.dtype')} → "
+                f"{dig(b, 'eval.quality.dtype')})"
+            )
         out.append(
             {
                 "metric": "tau",
