@@ -175,6 +175,50 @@ def test_tensorboard_shows_every_step_of_the_run(runs):
         )
 
 
+def test_mlflow_logs_every_step_and_a_resumed_run_continues_the_same_mlflow_run(
+    data, target_dir, tmp_path, monkeypatch
+):
+    """With MLFLOW_TRACKING_URI set (train.mlflow: auto), the run's curves and config land in
+    MLflow; a rerun after losing the last checkpoints logs into the same MLflow run."""
+    import mlflow
+
+    store = f"file://{tmp_path / 'mlruns'}"
+    env = {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this test's own client reads it too
+    out = tmp_path / "run"
+    finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
+    logged = [r["step"] for r in steps(out)]
+    client = mlflow.MlflowClient(store)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "dflash"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.params["train.lr"] == "0.001" and run.info.run_name == run_dir(out).name
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in loss] == logged
+    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in steps(out)])
+
+    # lose the outputs and the last checkpoints: the rerun resumes and logs the rest again
+    for path in sorted(run_dir(out).glob("step-*"))[-2:]:
+        subprocess.run(["rm", "-r", str(path)], check=True)
+    for name in ("drafter", "metrics.jsonl", "summary.json"):
+        subprocess.run(["rm", "-r", str(out / name)], check=True)
+    err = finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
+    assert "resumed from" in err
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [
+        run.info.run_id
+    ]
+    again = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(set(again)) == logged and len(again) > len(logged)
+
+
+def test_mlflow_true_without_a_tracking_uri_fails_before_training(data, target_dir, tmp_path):
+    env = {"MLFLOW_TRACKING_URI": ""}
+    run = launch(config(0, 1, mlflow=True), data, target_dir, tmp_path, torchrun=False, env=env)
+    err = run.communicate(timeout=300)[1]
+    assert run.returncode != 0
+    assert "train.mlflow: true, but MLFLOW_TRACKING_URI is missing" in err
+    assert not (tmp_path / "drafter").exists()
+
+
 def test_same_topology_twice_gives_identical_weights(runs, data, target_dir, tmp_path):
     finish(launch(config(1, 2), data, target_dir, tmp_path))
     assert weights(tmp_path) == weights(runs[(1, 2)])

@@ -230,14 +230,13 @@ class Trainer:
         self.resume()
         live = self.live_metrics
         trace = Trace(self.run / "telemetry", self.ctx.rank)
+        if self.ctx.rank == 0:  # before compiling: a misconfigured live view fails at once
+            keep_metrics_upto(live, self.step)
+            self.board = Board(self.run, self.step, self.config)
         if self.config["compile"]["enabled"]:
             self.compile_shapes()
         if self.ctx.rank == 0:
-            keep_metrics_upto(live, self.step)
             self.host = HostMonitor(node_gpu_uuids(self.device))
-            self.board = Board(
-                self.run / "tensorboard", self.step, self.config["train"]["tensorboard"]
-            )
         try:
             self._train_epochs(live, trace)
         finally:
