@@ -233,16 +233,17 @@ class Trainer:
         if self.ctx.rank == 0:  # before compiling: a misconfigured live view fails at once
             keep_metrics_upto(live, self.step)
             self.board = Board(self.run, self.step, self.config)
-        if self.config["compile"]["enabled"]:
-            self.compile_shapes()
-        if self.ctx.rank == 0:
-            self.host = HostMonitor(node_gpu_uuids(self.device))
         try:
+            if self.config["compile"]["enabled"]:
+                self.compile_shapes()
+            if self.ctx.rank == 0:
+                self.host = HostMonitor(node_gpu_uuids(self.device))
             self._train_epochs(live, trace)
         finally:
             if self.ctx.rank == 0:
-                self.host.close()
-                self.board.close()
+                if hasattr(self, "host"):
+                    self.host.close()
+                self.board.close()  # an MLflow run ends with the process, finished or not
 
     def _train_epochs(self, live: Path, trace: Trace) -> None:
         t = self.config["train"]
