@@ -46,11 +46,16 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def data(tiny_workflow, tmp_path_factory) -> Path:
-    """24 rows (the tiny workflow's tokenized rows, repeated): 12 batches per epoch."""
+    """11 rows (the tiny workflow's 8 tokenized rows, 3 of them twice): 9 batches per epoch, an
+    odd count, so that 2 drafters leave an epoch's last batch out (Topology.usable)."""
     tokenized = tiny_workflow.results / "data/tokenized"
     rows = pl.concat([pl.read_parquet(tokenized / f"{s}.parquet") for s in ("train", "eval")])
     path = tmp_path_factory.mktemp("data") / "train.parquet"
-    pl.concat([rows] * (24 // rows.height + 1)).head(24).write_parquet(path)
+    pl.concat([rows] * (11 // rows.height + 1)).head(11).write_parquet(path)
+    lengths = pl.read_parquet(path)["length"].to_list()
+    bounds = bucket_bounds(DATA["buckets"], DATA["max_length"])
+    for epoch in range(2):  # odd: 2 drafters leave a batch out
+        assert len(plan_epoch(lengths, bounds, DATA["token_budget"], 2, 0, epoch)) % 2 == 1
     return path
 
 
