@@ -1,5 +1,6 @@
 """Shared fixtures: one real run of the data workflow on the tiny config, reused by the tests
-that need its target model or its outputs (building the target takes ~25 s)."""
+that need its target model or its outputs (building the target takes ~25 s), and a second full
+run from scratch for the tests that compare two runs."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def tiny_workflow(tmp_path_factory) -> Workflow:
     shutil.copy(TESTS / "data" / "local.jsonl", workdir / "local.jsonl")
     flow = Workflow(repo, workdir)
     flow.run("stats")
+    return flow
+
+
+@pytest.fixture(scope="session")
+def second_workflow(tiny_workflow, tmp_path_factory) -> Workflow:
+    """A second full run (`all`) from scratch: same code, config and environment, another folder.
+    test_record compares its record with the first run's and changes its training last;
+    test_workflow compares its data stages' outputs byte for byte."""
+    workdir = tmp_path_factory.mktemp("second-run")
+    for name in ("tiny.yaml", "local.jsonl"):
+        shutil.copy(TESTS / "data" / name, workdir / name)
+    flow = Workflow(tiny_workflow.repo, workdir)
+    flow.run("all")
     return flow
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import TESTS, Workflow
+from conftest import Workflow
 
 from dflash.compare import compare, load_run
 from dflash.record import VOLATILE, data_summary
@@ -28,14 +28,10 @@ def run_a(tiny_workflow) -> Workflow:
 
 
 @pytest.fixture(scope="module")
-def run_b(run_a, tmp_path_factory) -> Workflow:
-    """A second full run from scratch: same code, config and environment, another folder."""
-    workdir = tmp_path_factory.mktemp("second-run")
-    for name in ("tiny.yaml", "local.jsonl"):
-        shutil.copy(TESTS / "data" / name, workdir / name)
-    flow = Workflow(run_a.repo, workdir)
-    flow.run("all")
-    return flow
+def run_b(run_a, second_workflow) -> Workflow:
+    """conftest's second full run from scratch: same code, config and environment, another
+    folder."""
+    return second_workflow
 
 
 def record(flow: Workflow) -> dict:
@@ -351,7 +347,7 @@ def test_the_html_report_carries_the_run_record(run_a):
 
 def test_a_changed_training_key_really_retrains(run_b):
     """Not only planned: the rerun trains a new run beside the finished one (last: it changes
-    run B's results)."""
+    run B's training results; test_workflow reads only run B's data)."""
     import yaml
 
     config = yaml.safe_load((run_b.workdir / "tiny.yaml").read_text())

@@ -19,7 +19,7 @@ def config(engine: str) -> str:
     # fp32: on a CPU, a process's first bf16 forwards round differently from its later ones
     # (the same batch gave other tokens as a process's first batch than as its second), so in
     # bf16 a resumed run can differ from an uninterrupted one there
-    regen = {"max_new_tokens": 24, "batch_size": 2, "dtype": "float32", "engine": engine}
+    regen = {"max_new_tokens": 12, "batch_size": 2, "dtype": "float32", "engine": engine}
     return json.dumps({"data": {"regenerate": regen}})
 
 

@@ -10,19 +10,21 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-# One bucket of 32 tokens: batches of 2 rows (64 // 32).
-DATA = {"buckets": [32], "max_length": 32, "token_budget": 64, "max_batch_size": 4}
+# One bucket of 96 tokens (the tiny workflow's rows are up to 96 long): batches of 2 rows
+# (192 // 96).
+DATA = {"buckets": [96], "max_length": 96, "token_budget": 192, "max_batch_size": 4}
+CONFIG = {
+    "seed": 0,
+    "target": {"mask_token_id": 3},
+    "drafter": {"num_layers": 1, "block_size": 8, "max_anchors": 2},
+    "compile": {"enabled": True},
+    "data": DATA,
+    "train": {"epochs": 1, "topology": {"targets": 0, "drafters": 1}, "tau_sim": {"every": 0}},
+}
 
 
 def warmup(target_dir, record, cache, enabled=True):
-    config = json.dumps(
-        {
-            "drafter": {"num_layers": 1, "block_size": 8, "max_anchors": 2},
-            "compile": {"enabled": enabled},
-            "target": {"mask_token_id": 3},
-            "data": DATA,
-        }
-    )
+    config = json.dumps(CONFIG | {"compile": {"enabled": enabled}})
     done = subprocess.run(
         [
             sys.executable,
@@ -45,54 +47,50 @@ def warmup(target_dir, record, cache, enabled=True):
     return json.loads(record.read_text())
 
 
-def test_compiles_each_bucket_into_a_cache_that_a_second_process_reuses(target_dir, tmp_path):
-    cold = warmup(target_dir, tmp_path / "cold.json", tmp_path / "cache")
+def cache_files(cache) -> list:
+    return sorted(p for p in cache.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def cold(target_dir, tmp_path_factory):
+    """One warmup into an empty cache (a cold compile takes half a minute): its record and the
+    cache, which the tests below read and must leave as they found it."""
+    folder = tmp_path_factory.mktemp("warmup")
+    return warmup(target_dir, folder / "cold.json", folder / "cache"), folder / "cache"
+
+
+def test_compiles_each_bucket_into_a_cache_that_a_second_process_reuses(cold, target_dir, tmp_path):
+    record, cache = cold
     # The config's bucket shape, the one compiled training pads every batch to (test_batching).
-    assert [(s["batch"], s["length"]) for s in cold["shapes"]] == [(2, 32)]
-    assert cold["attention"] == "sdpa" and cold["cache_files"] > 0
-    warm = warmup(target_dir, tmp_path / "warm.json", tmp_path / "cache")
+    assert [(s["batch"], s["length"]) for s in record["shapes"]] == [(2, 96)]
+    assert record["attention"] == "sdpa" and record["cache_files"] > 0
+    warm = warmup(target_dir, tmp_path / "warm.json", cache)
     # Every graph came from the cache: the warm process added no files to it.
-    assert warm["cache_files"] == cold["cache_files"]
+    assert warm["cache_files"] == record["cache_files"]
 
 
-def test_training_finds_every_graph_the_warmup_compiled(tiny_workflow, tmp_path):
+def test_training_finds_every_graph_the_warmup_compiled(cold, tiny_workflow, tmp_path):
     """`dflash train` (its own process, imports in its own order) starts from the warmup's cache:
     its compile pass adds nothing to it. It once added every graph again (the cache keys named
     torch.memory_format after whichever module had been imported first)."""
-    data = {"buckets": [96], "max_length": 96, "token_budget": 192, "max_batch_size": 4}
-    config = {
-        "seed": 0,
-        "target": {"mask_token_id": 3},
-        "drafter": {"num_layers": 1, "block_size": 8, "max_anchors": 2},
-        "compile": {"enabled": True},
-        "data": data,
-        "train": {"epochs": 1, "topology": {"targets": 0, "drafters": 1}, "tau_sim": {"every": 0}},
-    }
-    target = tiny_workflow.results / "target/hf"
-    cache = tmp_path / "cache"
-    dflash = [sys.executable, "-m", "dflash"]
-    done = subprocess.run(
-        [*dflash, "warmup", "--config", json.dumps(config), "--target", str(target),
-         "--record", str(tmp_path / "warmup.json"), "--cache-dir", str(cache)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    before = sorted(p for p in cache.rglob("*") if p.is_file())
+    _, cache = cold
+    before = cache_files(cache)
     env = os.environ | {
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
     }
     out = [f"--{k}={tmp_path / v}" for k, v in (("out", "d"), ("metrics", "m.jsonl"),
            ("summary", "s.json"), ("checkpoints", "ck"))]  # fmt: skip
+    target = tiny_workflow.results / "target/hf"
     data_file = tiny_workflow.results / "data/tokenized/train.parquet"
     done = subprocess.run(
-        [*dflash, "train", "--config", json.dumps(config), "--target", str(target),
-         "--data", str(data_file), *out],
+        [sys.executable, "-m", "dflash", "train", "--config", json.dumps(CONFIG),
+         "--target", str(target), "--data", str(data_file), *out],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled 1 shapes" in done.stderr
-    assert sorted(p for p in cache.rglob("*") if p.is_file()) == before
+    assert cache_files(cache) == before
 
 
 def test_disabled_compile_is_a_recorded_no_op(tiny_workflow):
