@@ -10,13 +10,16 @@ from safetensors.torch import load_file
 
 from dflash.model.drafter import Drafter, DrafterCache, DrafterConfig, load_drafter, save_drafter
 from dflash.model.objective import (
+    Blocks,
     block_mask,
+    block_metrics,
     chunked_lm_loss,
     dense_mask,
     dflash_loss,
     dflash_mask_mod,
     flex_attend,
     full_attend,
+    host_metrics,
     make_blocks,
     sample_anchors,
     sdpa_attend,
@@ -494,3 +497,30 @@ def test_target_top_init_copies_the_targets_top_layers_and_output_norm(target_di
     assert len(copied) == 1 + 2 * 9  # per layer: 4 projections, 3 MLP, 2 norms
     assert torch.equal(model.layers[0].self_attn.q_norm.weight, torch.ones(cfg.head_dim))
     assert torch.equal(model.fc.weight, fc_before)  # reads target features: stays random
+
+
+def test_block_metrics_stay_on_the_device_and_equal_the_indexed_definition():
+    """The step's metrics are tensors (no host sync inside a training step) and equal what a
+    verifier accepts: per real block, the slots before the first miss."""
+    g = torch.Generator().manual_seed(3)
+    b, n, bs = 3, 5, 8
+    correct = torch.rand(b * n * bs, generator=g) < 0.8
+    weights = (torch.rand(b, n, bs, generator=g) < 0.9).float()
+    valid = torch.rand(b, n, generator=g) < 0.7
+    blocks = Blocks(
+        anchors=torch.zeros(b, n, dtype=torch.long),
+        valid=valid,
+        ids=torch.zeros(b, n * bs, dtype=torch.long),
+        positions=torch.zeros(b, n * bs, dtype=torch.long),
+        labels=torch.zeros(b, n, bs, dtype=torch.long),
+        weights=weights,
+    )
+    m = block_metrics(correct, blocks)
+    assert all(isinstance(v, torch.Tensor) for v in m.values())
+    ok = (correct.view(b, n, bs)[:, :, 1:] & (weights[:, :, 1:] > 0))[valid].float()
+    assert float(m["tau"]) == 1.0 + ok.cumprod(dim=1).sum(dim=1).mean().item()
+    assert m["acc"].tolist() == ok.mean(0).tolist()
+    assert host_metrics({**m, "loss": torch.tensor(float("inf"))})["blocks"] == int(valid.sum())
+    assert math.isnan(host_metrics({**m, "loss": torch.tensor(float("inf"))})["loss"])
+    none = block_metrics(correct, Blocks(**{**blocks.__dict__, "valid": torch.zeros_like(valid)}))
+    assert math.isnan(float(none["tau"])) and all(math.isnan(a) for a in none["acc"].tolist())

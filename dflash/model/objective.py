@@ -301,23 +301,35 @@ def chunked_lm_loss(
 
 
 def block_metrics(correct: torch.Tensor, blocks: Blocks) -> dict:
-    """Accuracy per slot and teacher-forced τ over real blocks (slot 0 is given, so τ counts it).
+    """Accuracy per slot and teacher-forced τ over real blocks (slot 0 is given, so τ counts it),
+    as device tensors: no host sync, so the training step never waits for the GPU here
+    (`host_metrics` converts them). NaN when the batch has no real block.
 
     A slot whose label is untrainable or past the sequence counts as a miss, so τ is what a
     verifier would accept on this data, never more.
     """
     b, n, bs = blocks.labels.shape
-    ok = correct.view(b, n, bs)[:, :, 1:] & (blocks.weights[:, :, 1:] > 0)
-    real = blocks.valid
-    if not real.any():
-        return {"tau": float("nan"), "acc": [float("nan")] * (bs - 1), "blocks": 0}
-    ok = ok[real].float()
-    accepted = ok.cumprod(dim=1).sum(dim=1)
+    ok = (correct.view(b, n, bs)[:, :, 1:] & (blocks.weights[:, :, 1:] > 0)).float()
+    real = blocks.valid.float()  # (b, n)
+    count = real.sum()
+    accepted = ok.cumprod(dim=2).sum(dim=2)  # (b, n): slots accepted before the first miss
     return {
-        "tau": 1.0 + accepted.mean().item(),
-        "acc": ok.mean(0).tolist(),
-        "blocks": int(real.sum()),
+        "tau": 1.0 + (accepted * real).sum() / count,
+        "acc": (ok * real[:, :, None]).sum(dim=(0, 1)) / count,
+        "blocks": count,
     }
+
+
+def host_metrics(metrics: dict) -> dict:
+    """A step's metrics as Python numbers (one host sync); a non-finite loss reads NaN."""
+    out = {
+        "tau": float(metrics["tau"]),
+        "acc": metrics["acc"].tolist(),
+        "blocks": int(metrics["blocks"]),
+    }
+    loss = float(metrics["loss"])
+    out["loss"] = loss if math.isfinite(loss) else float("nan")
+    return out
 
 
 def dflash_loss(
@@ -336,8 +348,10 @@ def dflash_loss(
     compiled_ce: bool = False,
     lm_loss=None,
     distill: float = 0.0,
+    host: bool = True,
 ):
-    """One training forward: returns (loss, metrics). features: (b, s, n_layers*H), with the
+    """One training forward: returns (loss, metrics); the metrics as device tensors when not
+    `host` (`host_metrics` converts them later). features: (b, s, n_layers*H), with the
     target's normed output appended ((b, s, (n_layers+1)*H)) when `distill` > 0: the label of
     slot k is then the one-hot token mixed with the target's own next-token distribution at
     a+k-1 (weight `distill`), which says how sure the target was and what else it considered.
@@ -391,6 +405,5 @@ def dflash_loss(
     )
     denom = weights.sum().clamp(min=1e-6)
     loss = total / denom
-    metrics = block_metrics(correct, blocks)
-    metrics["loss"] = loss.item() if math.isfinite(loss.item()) else float("nan")
-    return loss, metrics
+    metrics = {**block_metrics(correct, blocks), "loss": loss.detach()}
+    return loss, host_metrics(metrics) if host else metrics

@@ -67,7 +67,8 @@ class TrainStep:
         (loss * loss_scale).backward()
         return metrics
 
-    def loss(self, features, input_ids, loss_mask, generator):
+    def loss(self, features, input_ids, loss_mask, generator, host: bool = True):
+        """(loss, metrics); metrics as device tensors unless `host` (see `dflash_loss`)."""
         # fp32 master weights; on GPU the step runs in bf16 autocast.
         device = input_ids.device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -85,6 +86,7 @@ class TrainStep:
                 compiled_flex=self.compile and self.attention == "flex",
                 compiled_ce=self.compile and device == "cuda",
                 distill=self.distill,
+                host=host,
             )
 
 

@@ -57,6 +57,10 @@ class Batches:
             epoch,
         )
 
+    def tokens(self, rows: list[int]) -> int:
+        """The real tokens of a batch (no device tensor read, so no host sync)."""
+        return sum(self.offsets[row + 1] - self.offsets[row] for row in rows)
+
     def tensors(self, rows: list[int], width: int, device: torch.device):
         """Right-padded (input_ids, loss_mask, attention_mask) of a batch, `shape()` rows."""
         ids = torch.zeros(self.shape(width, rows), dtype=torch.long)

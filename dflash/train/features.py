@@ -67,13 +67,20 @@ class FeatureModel:
         self.autocast = native_bf16(device)
         log.info("target features on %s: %s", device, "bf16" if self.autocast else "fp32")
 
-    def __call__(self, ids, attention) -> tuple[torch.Tensor, float]:
-        t0 = time.perf_counter()
+    def queue(self, ids, attention=None) -> torch.Tensor:
+        """The features of `ids`, queued on the device (no host sync). Batches are right-padded
+        (`Batches.tensors`), so they need no attention mask: a real token never attends to a
+        later position."""
         with (
             out_of_memory_hint("the target forward", ids, self.config),
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
         ):
-            feats = self.features(ids, attention).to(torch.bfloat16)
+            return self.features(ids, attention).to(torch.bfloat16)
+
+    def __call__(self, ids, attention=None) -> tuple[torch.Tensor, float]:
+        """(features, seconds the device took for them)."""
+        t0 = time.perf_counter()
+        feats = self.queue(ids, attention)
         sync(self.device)
         return feats, time.perf_counter() - t0
 

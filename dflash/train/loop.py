@@ -56,9 +56,9 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
         for i in topo.batches(ctx.rank, len(plan), first):
             started = time.perf_counter()
             upper, rows = plan[i]
-            ids, _, attention = batches.tensors(rows, upper, ctx.device)
-            feats, _ = model(ids, attention)
-            tokens = int(attention.sum())
+            ids, _, _ = batches.tensors(rows, upper, ctx.device)
+            feats, _ = model(ids)  # waits for the device: compute_s is the target's busy time
+            tokens = batches.tokens(rows)
             compute_s = time.perf_counter() - started  # batch assembly + forward: the busy time
             sent = sender.send(i, topo.dest_rank(i), feats, compute_s, tokens)
             trace(epoch=epoch, batch=i, dst=topo.dest_rank(i), compute_s=compute_s, **sent)

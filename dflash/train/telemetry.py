@@ -16,6 +16,7 @@ on it, so on CPU it reads as full and the verdict relies on capacities and waiti
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -43,15 +44,39 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Window:
-    """One drafter's accounting for one optimizer step."""
+    """One drafter's accounting for one optimizer step.
 
-    def __init__(self):
-        self.start = time.perf_counter()
+    The step's work is queued without waiting for the device: phases on CUDA are timed by
+    events on the compute stream, read in `close()` once the device has run them (a host clock
+    around queued work would measure only the queueing). `seal()` ends the window's wall time
+    when the step is queued; the next window starts where this one's accounting ended, so the
+    windows tile the run and tokens / wall_s is the throughput actually reached.
+    """
+
+    def __init__(self, device: torch.device, start: float | None = None):
+        self.device = device
+        self.start = time.perf_counter() if start is None else start
         self.time = dict.fromkeys(PHASES, 0.0)
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.tokens = 0
+        self.wall_s: float | None = None
         self.links = defaultdict(
             lambda: {"tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "depth": []}
         )
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time the work queued inside the block as phase `name`."""
+        if self.device.type != "cuda":  # CPU work runs as it is issued
+            started = time.perf_counter()
+            yield
+            self.time[name] += time.perf_counter() - started
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self.events.append((name, begin, end))
 
     def link(self, src: int, stats: dict) -> None:
         entry = self.links[src]
@@ -60,12 +85,23 @@ class Window:
         entry["blocked_s"] += stats["blocked_s"]
         entry["depth"].append(stats["queue_depth"])
 
-    def close(self, device: torch.device) -> dict:
+    def seal(self) -> None:
+        """The step is queued: its wall time ends here."""
+        self.wall_s = time.perf_counter() - self.start
+
+    def close(self) -> dict:
+        """The window's numbers; waits for the device to finish the window's work."""
+        if self.wall_s is None:
+            self.seal()
+        for name, begin, end in self.events:
+            end.synchronize()
+            self.time[name] += begin.elapsed_time(end) / 1000
+        self.events.clear()
         return {
             "tokens": self.tokens,
-            "wall_s": time.perf_counter() - self.start,
+            "wall_s": self.wall_s,
             "time_s": dict(self.time),
-            "peak_memory_gb": round(peak_memory_gb(device), 3),
+            "peak_memory_gb": round(peak_memory_gb(self.device), 3),
             "links": {src: dict(v) for src, v in self.links.items()},
         }
 

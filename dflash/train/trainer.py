@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from dflash.host import HostMonitor
 from dflash.io import sha256_file
 from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter, init_from_target_top
-from dflash.model.objective import default_gamma
+from dflash.model.objective import default_gamma, host_metrics
 from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
@@ -36,7 +37,7 @@ from dflash.train.features import (
     target_dtype,
 )
 from dflash.train.runs import Trace, keep_metrics_upto, resume_point
-from dflash.train.telemetry import Window, step_record, sync
+from dflash.train.telemetry import Window, step_record
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,20 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+@dataclass
+class QueuedStep:
+    """An optimizer step whose work is queued on the device; its line is written later."""
+
+    step: int
+    epoch: int
+    batch: int
+    lr: float
+    grad_norm: torch.Tensor
+    window: Window
+    metrics: list[dict]  # each micro-batch's, device tensors
+    tau_sim: float | None
 
 
 class Trainer:
@@ -191,20 +206,24 @@ class Trainer:
         save_checkpoint(self.run, self.step, state, meta, keep)
 
     def features(self, plan, mine: list[int]):
-        """(batch, tensors, features, phase times, link stats) for this rank's batches."""
+        """(batch, tensors, features, link stats, seconds waited) for this rank's batches. The
+        target's work is queued as the current window's `features` phase; the wait for a
+        target rank's features is host time."""
         if self.topo.colocated:
             for i in mine:
                 upper, rows = plan[i]
                 tensors = self.batches.tensors(rows, upper, self.device)
-                feats, seconds = self.target(tensors[0], tensors[2])
-                yield i, tensors, feats, {"features": seconds}, None
+                with self.window.phase("features"):
+                    feats = self.target.queue(tensors[0])
+                yield i, tensors, feats, None, None
             return
         wanted = [
             (i, self.topo.source_rank(i), (*self.batches.shape(*plan[i]), self.width)) for i in mine
         ]
         for i, feats, stats, wait in self.receiver.stream(wanted):
             upper, rows = plan[i]
-            yield i, self.batches.tensors(rows, upper, self.device), feats, {"wait": wait}, stats
+            self.window.time["wait"] += wait
+            yield i, self.batches.tensors(rows, upper, self.device), feats, stats, wait
 
     def compile_shapes(self) -> None:
         """Run every batch shape once before training, so no compile stalls a peer mid-run.
@@ -238,7 +257,8 @@ class Trainer:
                 self.compile_shapes()
             if self.ctx.rank == 0:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
-            self._train_epochs(live, trace)
+            with watch_syncs(self.device):
+                self._train_epochs(live, trace)
         finally:
             if self.ctx.rank == 0:
                 if hasattr(self, "host"):
@@ -246,57 +266,61 @@ class Trainer:
                 self.board.close()  # an MLflow run ends with the process, finished or not
 
     def _train_epochs(self, live: Path, trace: Trace) -> None:
+        """The steps, queued without waiting for the device: a step's record (its metrics are
+        device tensors) is written once the next step is queued, so the GPU never idles while
+        the host logs, assembles a batch or launches kernels. Records are written at once
+        before a checkpoint and at an epoch's end."""
         t = self.config["train"]
         accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
+        pending = None
         while self.epoch < t["epochs"]:
             plan = self.batches.plan(self.epoch)
             usable = self.topo.usable(len(plan))
             per_rank = usable // self.topo.drafters
             mine = self.topo.batches(self.ctx.rank, len(plan), self.position)
-            window, metrics = Window(), []
-            for i, (ids, mask, attention), feats, phases, stats in self.features(plan, mine):
+            self.window, metrics = Window(self.device), []
+            for i, (ids, mask, _), feats, stats, wait in self.features(plan, mine):
+                window = self.window
                 micro = i // self.topo.drafters  # this drafter's micro-batch index in the epoch
                 last = (micro + 1) % accum == 0 or micro + 1 == per_rank
-                for phase, seconds in phases.items():
-                    window.time[phase] += seconds
                 if stats is not None:
                     window.link(self.topo.source_rank(i), stats)
-                window.tokens += int(attention.sum())
-                trace(
-                    epoch=self.epoch,
-                    batch=i,
-                    src=self.topo.source_rank(i),
-                    **{f"{k}_s": v for k, v in phases.items()},
-                )
+                window.tokens += self.batches.tokens(plan[i][1])
+                event = {"epoch": self.epoch, "batch": i, "src": self.topo.source_rank(i)}
+                trace(**event, **({} if wait is None else {"wait_s": wait}))
                 no_sync = self.step_fn.model.no_sync if self.ddp and not last else None
                 with no_sync() if no_sync else contextlib.nullcontext():
                     with out_of_memory_hint("the drafter step", ids, self.config):
-                        t0 = time.perf_counter()
-                        loss, m = self.step_fn.loss(
-                            feats.to(dtype), ids, mask, batch_generator(seed, self.epoch, i)
-                        )
-                        sync(self.device)
-                        t1 = time.perf_counter()
-                        (loss / accum).backward()
-                        sync(self.device)
-                window.time["forward"] += t1 - t0
-                window.time["backward"] += time.perf_counter() - t1
+                        generator = batch_generator(seed, self.epoch, i)
+                        with window.phase("forward"):
+                            loss, m = self.step_fn.loss(
+                                feats.to(dtype), ids, mask, generator, host=False
+                            )
+                        with window.phase("backward"):
+                            (loss / accum).backward()
                 metrics.append(m)
                 if not last:
                     continue
                 self.position = (micro + 1) * self.topo.drafters
-                t2 = time.perf_counter()
                 lr = self.scheduler.get_last_lr()[0]
-                grad_norm = self.optimizer_step()
-                sync(self.device)
-                window.time["optimizer"] += time.perf_counter() - t2
-                sim_started = time.perf_counter()
-                tau_sim = self.simulated_tau()
-                window.start += time.perf_counter() - sim_started  # not training time
-                self.log_step(window, metrics, i, lr, grad_norm, live, tau_sim)
-                window, metrics = Window(), []
+                with window.phase("optimizer"):
+                    grad_norm = self.optimizer_step()
+                window.seal()
+                tau_sim = self.simulated_tau()  # waits for the device: not training time
+                next_start = time.perf_counter()
+                if pending is not None:
+                    self.log_step(pending, live)
+                pending = QueuedStep(
+                    self.step, self.epoch, i, lr, grad_norm, window, metrics, tau_sim
+                )
                 if self.step % t["checkpoint_every"] == 0 and self.position != usable:
+                    self.log_step(pending, live)
+                    pending = None
                     self.checkpoint()
+                self.window, metrics = Window(self.device, start=next_start), []
+            if pending is not None:
+                self.log_step(pending, live)
+                pending = None
             self.epoch, self.position = self.epoch + 1, 0
             self.checkpoint()
 
@@ -305,14 +329,15 @@ class Trainer:
         """Features enter the step in bf16 on GPU (autocast); fp32 on CPU."""
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
-    def optimizer_step(self) -> float:
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, schedule; returns the gradient norm before clipping (a device tensor)."""
         clip = self.config["train"]["grad_clip"]
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(norm)
+        return norm
 
     def simulated_tau(self) -> float | None:
         """tau_sim on the held-out slice every `train.tau_sim.every` steps and at the last."""
@@ -326,29 +351,29 @@ class Trainer:
             self.drafter, step.embed_tokens, step.head_weight, self.compute_dtype
         )
 
-    def log_step(
-        self, window: Window, metrics: list[dict], batch, lr, grad_norm, live: Path, tau_sim
-    ):
+    def log_step(self, queued: QueuedStep, live: Path) -> None:
+        """Write a queued step's line (waits for the device to finish that step)."""
+        metrics = [host_metrics(m) for m in queued.metrics]
         mean = {
             "loss": statistics.fmean(m["loss"] for m in metrics),
             "tau": statistics.fmean(m["tau"] for m in metrics),
             "acc": [statistics.fmean(a) for a in zip(*(m["acc"] for m in metrics), strict=True)],
         }
-        gathered = self.ctx.drafter_gather((window.close(self.device), mean))
+        gathered = self.ctx.drafter_gather((queued.window.close(), mean))
         if self.ctx.rank != 0:
             return
         windows, means = zip(*gathered, strict=True)
         record = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch": batch,
-            "lr": lr,
-            "grad_norm": round(grad_norm, 4),
+            "step": queued.step,
+            "epoch": queued.epoch,
+            "batch": queued.batch,
+            "lr": queued.lr,
+            "grad_norm": round(float(queued.grad_norm), 4),
             **step_record(list(windows), self.topo, list(means)),
             "host": self.host.window(),
         }
-        if tau_sim is not None:
-            record["tau_sim"] = tau_sim
+        if queued.tau_sim is not None:
+            record["tau_sim"] = queued.tau_sim
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.board.log(record)
@@ -369,6 +394,21 @@ class Trainer:
             print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
         else:
             log.info(line)
+
+
+@contextlib.contextmanager
+def watch_syncs(device: torch.device):
+    """With DFLASH_SYNC_DEBUG=1 on CUDA, torch warns (once per source line) at each host sync:
+    a step is queued without one, so any warning outside `log_step`, `simulated_tau` and
+    `checkpoint` (the intended waits) is a stall to remove."""
+    if device.type != "cuda" or os.environ.get("DFLASH_SYNC_DEBUG") != "1":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def node_gpu_uuids(device: torch.device) -> list[str]:
