@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.model.transfer import upload
+
 
 def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
@@ -46,7 +48,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
     eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
     eligible[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
     # Random keys on CPU from the seeded generator: the same draw on every device.
-    keys = torch.rand((b, s), generator=generator).to(loss_mask.device)
+    keys = upload(torch.rand((b, s), generator=generator), loss_mask.device)
     keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
     k = min(max_anchors, s)
     picked = keys.topk(k, dim=1, largest=False)
@@ -72,8 +74,9 @@ def make_blocks(
 
     labels = gathered(input_ids)
     mask_at = gathered(loss_mask).bool()
-    slot_weight = torch.exp(-(offsets.float() - 1) / gamma)
-    slot_weight[0] = 0.0
+    # slot 0 (the anchor itself) is given, not trained; no in-place scalar write: on a GPU that
+    # is a host-to-device copy that waits for the device
+    slot_weight = torch.where(offsets > 0, torch.exp(-(offsets.float() - 1) / gamma), 0.0)
     weights = slot_weight * (mask_at & valid[:, :, None])
     ids = torch.full(
         (b, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device

@@ -10,6 +10,7 @@ import polars as pl
 import torch
 
 from dflash.data.batching import bucket_batch_size, bucket_bounds, plan_epoch
+from dflash.model.transfer import upload
 
 
 def batch_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -71,4 +72,4 @@ class Batches:
             ids[i, : end - start] = self.flat_ids[start:end]
             mask[i, : end - start] = self.flat_mask[start:end]
             attention[i, : end - start] = 1
-        return ids.to(device), mask.to(device), attention.to(device)
+        return upload(ids, device), upload(mask, device), upload(attention, device)
