@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +91,8 @@ def test_training_finds_every_graph_the_warmup_compiled(cold, tiny_workflow, tmp
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled 1 shapes" in done.stderr
+    # a graph whose cache key cannot be pickled is compiled again in every process
+    assert "Failed to pickle cache key" not in done.stderr
     assert cache_files(cache) == before
 
 
@@ -98,3 +101,18 @@ def test_disabled_compile_is_a_recorded_no_op(tiny_workflow):
     record = json.loads((tiny_workflow.results / "compile/warmup.json").read_text())
     assert record["enabled"] is False and record["shapes"] == []
     assert "no" in record["note"] or "nothing" in record["note"]
+
+
+def test_memory_formats_pickle_alike_in_every_process():
+    """Compile cache keys pickle torch.memory_format objects. Pickled by module lookup they named
+    whichever module had imported torch first (polars in training); pickled through a reducer
+    naming the torch module they could not be pickled at all, and inductor skipped caching those
+    graphs ("Failed to pickle cache key" on an H200; CPU graphs hold no memory format)."""
+    import pickle
+
+    import dflash.model.step  # noqa: F401  (registers the reducer)
+
+    for fmt in (torch.contiguous_format, torch.channels_last, torch.preserve_format):
+        data = pickle.dumps(fmt)
+        assert pickle.loads(data) is fmt
+        assert b"dflash.model.step" in data and b"polars" not in data

@@ -11,8 +11,14 @@ import torch
 from dflash.model.objective import dflash_loss
 
 
+def memory_format(name: str) -> torch.memory_format:
+    return getattr(torch, name)
+
+
 def _reduce_memory_format(fmt: torch.memory_format):
-    return getattr, (torch, str(fmt).removeprefix("torch."))
+    # by this function's name and the format's: the same bytes in every process (a reducer
+    # naming the torch module itself cannot be pickled, and the cache key is then skipped)
+    return memory_format, (str(fmt).removeprefix("torch."),)
 
 
 # torch's compile cache keys pickle `torch.memory_format` objects by the first module in
