@@ -59,10 +59,11 @@ rule regenerate_shard:
         manifest=f"{R}/manifests/regenerate_{{split}}_{{shard}}.json",
     log:
         f"{R}/logs/regenerate_{{split}}_{{shard}}.log",
-    # shards run side by side, each on a GPU of its own (dflash.gpus), sharing the cores; on a GPU
-    # host a shard's work is on its GPU, so half the cores stay free for the jobs beside it (the
-    # compile warmup runs during regeneration)
-    threads: max(1, workflow.cores // SHARDS // (2 if HAS_GPU else 1))
+    # shards of both splits (train, eval) run side by side, each on a GPU of its own
+    # (dflash.gpus), sharing the cores; on a GPU host a shard's work is on its GPU, so half the
+    # cores stay free for the jobs beside it: the compile warmup must run during regeneration (on
+    # one H200 it waited 171 s for the cores after it, when the two splits' shards held them all)
+    threads: max(1, workflow.cores // SHARDS // (4 if HAS_GPU else 1))
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
