@@ -126,6 +126,7 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "bottleneck",
             "verdict",
             "host",
+            "compile_s",
         )
     }
     throughput["tokens_per_s_per_process"] = round((summary.get("tokens_per_s") or 0) / world, 1)

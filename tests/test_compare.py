@@ -89,3 +89,14 @@ def test_a_tau_change_on_other_reference_text_says_so():
     assert any("target's own greedy output differs" in e for e in tau["evidence"])
     same = tau_effect(record(eval=evaluated(2.8, "aa")))
     assert not any("greedy output" in e for e in same["evidence"])
+
+
+def test_a_cold_compile_cache_is_named_and_a_warm_jitter_is_not():
+    warm = record(train={"throughput": {"tokens_per_s": 1000.0, "compile_s": 4.0}})
+    cold = record(train={"throughput": {"tokens_per_s": 1000.0, "compile_s": 59.0}})
+    (effect,) = [e for e in compare(warm, cold)["effects"] if e["metric"] == "compile"]
+    assert (effect["a"], effect["b"]) == (4.0, 59.0)
+    assert "compile cache cold" in effect["evidence"][0]
+    assert "compile cache" in render(compare(warm, cold))
+    jitter = record(train={"throughput": {"tokens_per_s": 1000.0, "compile_s": 6.0}})
+    assert not [e for e in compare(warm, jitter)["effects"] if e["metric"] == "compile"]

@@ -161,6 +161,22 @@ def effects(a: dict, b: dict) -> list[dict]:
                 "evidence": evidence,
             }
         )
+    ca, cb = ta.get("compile_s"), tb.get("compile_s")
+    if ca is not None and cb is not None and abs(cb - ca) >= max(10.0, 0.2 * min(ca, cb)):
+        out.append(
+            {
+                "metric": "compile",
+                "label": "training's compile pass before its first step (s)",
+                "a": ca,
+                "b": cb,
+                "change_pct": pct_change(ca, cb),
+                "evidence": [
+                    f"compiled for {max(ca, cb):.0f} s against {min(ca, cb):.0f} s: the slower "
+                    "one found the compile cache cold or missed it (results/compile-cache, "
+                    "filled by the warmup_compile rule; with it a start takes seconds)"
+                ],
+            }
+        )
     la, lb = dig(a, "train.result.loss"), dig(b, "train.result.loss")
     if la is not None and lb is not None and la != lb:
         out.append(

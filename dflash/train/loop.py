@@ -99,6 +99,8 @@ def _run(ctx: comm.Dist, args) -> None:
     lines = live.read_text().splitlines()
     records = [json.loads(line) for line in lines]
     summary = summarize(records, ctx.topology.as_dict(), config["train"]["queue_depth"])
+    # before the first step: seconds with the warmup rule's cache, minutes without it
+    summary["compile_s"] = trainer.compile_s
     log.info("throughput: %s", summary.get("verdict", "no steps"))
     log.info("host during training: %s", describe_host(summary.get("host")))
     write_json(args.summary, summary)

@@ -158,6 +158,7 @@ class Trainer:
             "code": code_hash(*TRAINING_CODE),
         }
         self.step, self.epoch, self.position = 0, 0, 0
+        self.compile_s: float | None = None  # seconds compile_shapes took (None: compile off)
 
     def _ddp(self, module):
         from torch.nn.parallel import DistributedDataParallel
@@ -237,12 +238,8 @@ class Trainer:
         no_sync = self.step_fn.model.no_sync if self.ddp else None
         vocab = self.dcfg.vocab_size
         run_shapes(self.step_fn, shapes, self.width, vocab, self.compute_dtype, no_sync=no_sync)
-        log.info(
-            "%s compiled %d shapes in %.1f s",
-            self.ctx.name,
-            len(shapes),
-            time.perf_counter() - started,
-        )
+        self.compile_s = round(time.perf_counter() - started, 1)
+        log.info("%s compiled %d shapes in %.1f s", self.ctx.name, len(shapes), self.compile_s)
 
     def fit(self) -> None:
         """Train to the end (resuming if this run has checkpoints)."""
