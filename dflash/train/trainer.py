@@ -269,8 +269,8 @@ class Trainer:
         before a checkpoint and at an epoch's end."""
         t = self.config["train"]
         accum, seed, dtype = t["grad_accum"], self.config["seed"], self.compute_dtype
-        pending = None
         while self.epoch < t["epochs"]:
+            pending = None  # written by the epoch's end at the latest
             plan = self.batches.plan(self.epoch)
             usable = self.topo.usable(len(plan))
             per_rank = usable // self.topo.drafters
@@ -317,7 +317,6 @@ class Trainer:
                 self.window, metrics = Window(self.device, start=next_start), []
             if pending is not None:
                 self.log_step(pending, live)
-                pending = None
             self.epoch, self.position = self.epoch + 1, 0
             self.checkpoint()
 
