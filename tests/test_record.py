@@ -210,12 +210,15 @@ def test_compare_names_a_changed_gamma_first(run_a, run_b):
 
 
 def test_compare_names_a_different_drafter_count_first_and_explains_the_throughput(run_a, run_b):
+    a = load_run(run_a.results)
+
     def edit(r):
         r["config"]["train"]["topology"]["drafters"] = 2
         r["topology"].update(drafters=2, world=3)
-        r["train"]["throughput"]["tokens_per_s"] *= 0.58  # the 20K -> 11.6K story
+        # the 20K -> 11.6K story, relative to A: the two real runs' own rates differ by as much
+        # as the host's load did while each trained
+        r["train"]["throughput"]["tokens_per_s"] = a["train"]["throughput"]["tokens_per_s"] * 0.58
 
-    a = load_run(run_a.results)
     result = assert_first_cause(a, injected(load_run(run_b.results), edit), "topology", "drafters")
     (verdict,) = result["most_likely"]  # τ did not change: one effect to explain
     assert verdict["effect"] == "throughput" and verdict["cause"] == "topology"
