@@ -37,8 +37,8 @@ from dflash.eval.decode import (  # noqa: E402
 )
 from dflash.eval.metrics import acceptance  # noqa: E402
 from dflash.eval.run import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
+from dflash.model.decoder import supports_static  # noqa: E402
 from dflash.model.drafter import Drafter, DrafterConfig, load_drafter  # noqa: E402
-from dflash.model.engine import supports_static  # noqa: E402
 
 SESSIONS = {"hf": HFSession, "static": StaticSession}
 

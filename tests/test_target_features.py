@@ -5,6 +5,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
@@ -42,14 +43,44 @@ def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
     expected = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
 
     features = TargetFeatures(load_target(target_dir), layer_ids)
-    calls = []
-    for layer in features.decoder.layers:
-        layer.register_forward_hook(lambda *a: calls.append(1))
+    assert features.written_out  # SmolLM2 is a Llama: its layers run written out
     got = features(ids, attention)
-    assert len(features.decoder.layers) == max(layer_ids) + 1 == 28
-    assert len(calls) == 28  # layers 28 and 29 and the LM head never run
+    assert len(features.decoder.layers) == max(layer_ids) + 1 == 28  # 28, 29, LM head cut off
     valid = attention.bool()
     assert torch.allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [LlamaConfig, Qwen3Config], ids=["llama", "qwen3"])
+def test_written_out_layers_equal_transformers_and_compile_to_one_graph(config, small_decoder):
+    """The written-out decoder (no mask machinery, no host sync) gives transformers' own hidden
+    states bit for bit; a padding mask that is not right-padding goes through transformers'
+    forward; compiled, every layer runs one graph."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    cls = LlamaForCausalLM if config is LlamaConfig else Qwen3ForCausalLM
+    model = cls(config(**small_decoder)).eval()
+    ids = torch.randint(0, small_decoder["vocab_size"], (2, 12))
+    left = torch.ones_like(ids)
+    left[0, :3] = 0
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+        padded = model(input_ids=ids, attention_mask=left, output_hidden_states=True)
+    layer_ids = [0, 2]
+    features = TargetFeatures(model, layer_ids)
+    assert features.written_out
+    assert torch.equal(features(ids), torch.cat([hidden[i + 1] for i in layer_ids], -1))
+    expected = torch.cat([padded.hidden_states[i + 1] for i in layer_ids], -1)
+    assert torch.equal(features(ids, left)[left.bool()], expected[left.bool()])
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    assert features.compile_layers()
+    eager = features(ids, compiled=False)
+    compiled = features(ids)
+    assert counters["stats"]["unique_graphs"] == 1  # 3 layers, one graph
+    assert torch.allclose(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
 def test_the_mask_token_is_the_configured_one_or_the_tokenizers_and_must_fit(target_dir):

@@ -32,7 +32,7 @@ from dflash.data.sources import DataError
 from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
-from dflash.model.engine import supports_static
+from dflash.model.decoder import supports_static
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.eval import ddtree
+from dflash.model.decoder import supports_static
 from dflash.model.drafter import Drafter
-from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget, supports_static
+from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget
 
 
 def _device(model: nn.Module) -> torch.device:

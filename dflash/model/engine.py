@@ -9,8 +9,9 @@ overwritten), and on CUDA each step shape is captured once as a CUDA graph and r
 The target's decoder is run layer by layer from its own Hugging Face modules (norms, projections,
 rotary embedding, MLP), with the attention written here over the static cache: transformers'
 cache classes changed their interface between 5.17 and 5.24, and the tree mask needs exact
-control of which cache rows each query sees. Architectures with that standard layout are listed
-in `STATIC_TYPES`; others decode through transformers' own cache (`dflash.eval.decode`).
+control of which cache rows each query sees (`dflash.model.decoder` holds the pieces).
+Architectures with that standard layout are listed in `STATIC_TYPES` there; others decode
+through transformers' own cache (`dflash.eval.decode`).
 """
 
 from __future__ import annotations
@@ -22,38 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.drafter import apply_rope
+from dflash.model.decoder import causal_layer, head_dim, qkv, supports_static
 
 log = logging.getLogger(__name__)
-
-# Pre-norm decoders whose attention is q/k/v/o projections (+ optional q/k RMSNorm) with RoPE.
-STATIC_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-
-
-def supports_static(model: nn.Module) -> bool:
-    config = model.config
-    window = (
-        getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True)
-        else None
-    )
-    return config.model_type in STATIC_TYPES and window is None
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _qkv(attn: nn.Module, h: torch.Tensor, cos, sin, head_dim: int):
-    """Queries, keys, values (b, heads, n, head_dim) of a decoder layer's normed input h (b, n, H),
-    rotated to their positions, as the Hugging Face attention module computes them."""
-    b, n = h.shape[:2]
-    q = attn.q_proj(h).view(b, n, -1, head_dim)
-    k = attn.k_proj(h).view(b, n, -1, head_dim)
-    v = attn.v_proj(h).view(b, n, -1, head_dim).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
 
 class StaticTarget:
@@ -95,7 +67,7 @@ class StaticTarget:
         q_len = ids.shape[1]
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
             self.keys[i].index_copy_(2, slots, k)
             self.values[i].index_copy_(2, slots, v)
             out = F.scaled_dot_product_attention(
@@ -259,15 +231,9 @@ class BatchedGreedy:
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, positions)
         for i, layer in enumerate(self.decoder.layers):
-            attn = layer.self_attn
-            q, key, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            x, key, v = causal_layer(layer, x, cos, sin, self.head_dim)
             self.keys[i][:, :, :width].index_copy_(0, targets, key)
             self.values[i][:, :, :width].index_copy_(0, targets, v)
-            out = F.scaled_dot_product_attention(
-                q, key, v, is_causal=True, scale=attn.scaling, enable_gqa=True
-            )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(k, width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = x[torch.arange(k, device=x.device), lengths - 1]
         return (self.model.lm_head(self.decoder.norm(last)).argmax(-1),)
 
@@ -280,7 +246,7 @@ class BatchedGreedy:
         mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
             self.keys[i][self.batch_rows, :, positions] = k[:, :, 0]
             self.values[i][self.batch_rows, :, positions] = v[:, :, 0]
             # one query per row: fold the query heads sharing a key head into the query axis,

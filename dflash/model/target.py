@@ -1,7 +1,9 @@
 """The frozen target: context features from a few of its layers, plus its embedding and LM head.
 
 Only layers up to the deepest one the drafter reads are kept: the forward stops there (no later
-layers, no LM head) and forward hooks keep just the selected layers' outputs alive.
+layers, no LM head). Decoders of a standard layout run written out layer by layer
+(`dflash.model.decoder`: no host sync, one compiled graph for every layer); others run
+transformers' forward, with forward hooks keeping just the selected layers' outputs alive.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash.errors import UserError
+from dflash.model.decoder import head_dim, layer_output, supports_static
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -77,6 +80,9 @@ class TargetFeatures(nn.Module):
         super().__init__()
         self.layer_ids = list(layer_ids)
         self.with_output = with_output
+        self.written_out = supports_static(model)
+        self.head_dim = head_dim(model.config)
+        self.layer_fn = layer_output  # `compile_layers` swaps in the compiled one
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         decoder = _decoder(model)
@@ -92,8 +98,17 @@ class TargetFeatures(nn.Module):
         self.requires_grad_(False)
         self.eval()
         self._captured: dict[int, torch.Tensor] = {}
-        for i in self.layer_ids:
+        for i in self.layer_ids:  # transformers' forward (a padding mask, or another layout)
             decoder.layers[i].register_forward_hook(self._hook(i))
+
+    def compile_layers(self) -> bool:
+        """Compile the written-out layer (one graph per batch shape, shared by every layer:
+        `torch.compile` treats the weights as inputs). Only for inputs of a few fixed shapes
+        (compiled training pads batches to their bucket's); False where there is nothing to
+        compile (transformers' own forward)."""
+        if self.written_out:
+            self.layer_fn = torch.compile(layer_output, dynamic=False)
+        return self.written_out
 
     def _hook(self, i: int):
         def capture(module, args, output):
@@ -102,16 +117,24 @@ class TargetFeatures(nn.Module):
         return capture
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        compiled: bool = True,
+    ):
         """Features of every position; those of padding positions are unspecified.
 
         A right-padded mask is dropped: under causal attention a real token never sees a later
         (padding) position, so its features are the same, and without a mask the attention can
         use the fused causal kernel instead of a materialised 4-D mask (bench/gpu.py measures
-        both).
+        both). `compiled=False` runs the layers eagerly even after `compile_layers` (inputs of
+        one-off shapes, which would each compile anew).
         """
         if attention_mask is not None and right_padded(attention_mask):
             attention_mask = None
+        if self.written_out and attention_mask is None:
+            return self._written_out(input_ids, self.layer_fn if compiled else layer_output)
         self._captured.clear()
         out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         parts = [self._captured[i] for i in self.layer_ids]
@@ -119,6 +142,20 @@ class TargetFeatures(nn.Module):
             parts.append(out.last_hidden_state)
         self._captured.clear()
         return torch.cat(parts, dim=-1)
+
+    def _written_out(self, input_ids: torch.Tensor, layer_fn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = self.decoder.rotary_emb(x, positions)
+        wanted, parts = set(self.layer_ids), {}
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer_fn(layer, x, cos, sin, self.head_dim)
+            if i in wanted:
+                parts[i] = x
+        out = [parts[i] for i in self.layer_ids]
+        if self.with_output:
+            out.append(self.decoder.norm(x))
+        return torch.cat(out, dim=-1)
 
 
 def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remote_code=False):

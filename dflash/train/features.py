@@ -55,34 +55,55 @@ def out_of_memory_hint(what: str, ids: torch.Tensor, config: dict):
 
 class FeatureModel:
     """A frozen target truncated to the drafter's layers (whole, with its output appended, when
-    distilling); features in bf16."""
+    distilling); features in bf16. With `compile.enabled` and `compile.target` its decoder layer
+    is compiled: batches then come in their buckets' fixed shapes (`Batches.shape`)."""
 
-    def __init__(self, target_dir: Path, layer_ids: list[int], device: torch.device, config):
-        target = load_target(target_dir, dtype=target_dtype(device), device=device)
+    def __init__(self, target, layer_ids: list[int], device: torch.device, config):
         distill = config["train"]["distill"] > 0
         self.features = TargetFeatures(target, layer_ids, with_output=distill)
         # what the drafter reads: the target layers' part of the features
         self.drafter_width = len(layer_ids) * self.features.embed_tokens.weight.shape[1]
         self.device, self.config = device, config
         self.autocast = native_bf16(device)
-        log.info("target features on %s: %s", device, "bf16" if self.autocast else "fp32")
+        c = config["compile"]
+        self.compiled = c["enabled"] and c["target"] and self.features.compile_layers()
+        log.info(
+            "target features on %s: %s, %s",
+            device,
+            "bf16" if self.autocast else "fp32",
+            "compiled" if self.compiled else "eager",
+        )
 
-    def queue(self, ids, attention=None) -> torch.Tensor:
+    @classmethod
+    def load(cls, target_dir: Path, layer_ids: list[int], device: torch.device, config):
+        target = load_target(target_dir, dtype=target_dtype(device), device=device)
+        return cls(target, layer_ids, device, config)
+
+    def queue(self, ids, attention=None, compiled: bool = True) -> torch.Tensor:
         """The features of `ids`, queued on the device (no host sync). Batches are right-padded
         (`Batches.tensors`), so they need no attention mask: a real token never attends to a
-        later position."""
+        later position. `compiled=False` for a one-off shape."""
         with (
             out_of_memory_hint("the target forward", ids, self.config),
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast),
         ):
-            return self.features(ids, attention).to(torch.bfloat16)
+            return self.features(ids, attention, compiled=compiled).to(torch.bfloat16)
 
-    def __call__(self, ids, attention=None) -> tuple[torch.Tensor, float]:
+    def __call__(self, ids, attention=None, compiled: bool = True) -> tuple[torch.Tensor, float]:
         """(features, seconds the device took for them)."""
         t0 = time.perf_counter()
-        feats = self.queue(ids, attention)
+        feats = self.queue(ids, attention, compiled)
         sync(self.device)
         return feats, time.perf_counter() - t0
+
+    def compile_shapes(self, shapes) -> list[float]:
+        """Run each (batch, length) shape once, compiling its graph (or loading it from the
+        compile cache) before training needs it; seconds per shape. A no-op when eager."""
+        if not self.compiled:
+            return []
+        return [
+            self(torch.zeros(shape, dtype=torch.long, device=self.device))[1] for shape in shapes
+        ]
 
 
 class HeldOut:
@@ -95,7 +116,7 @@ class HeldOut:
         self.rows = []
         for ids, mask in zip(frame["input_ids"], frame["loss_mask"], strict=True):
             ids_t = torch.tensor([list(ids)], device=model.device)
-            feats, _ = model(ids_t, torch.ones_like(ids_t))
+            feats, _ = model(ids_t, compiled=False)  # one shape per row: not worth compiling
             feats = feats[..., : model.drafter_width]
             self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
 

@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpoints: Path):
     """A target rank: compute features for its batches and send them, `queue_depth` ahead."""
     dcfg = drafter_config(config, target_dir)
-    model = FeatureModel(target_dir, dcfg.target_layer_ids, ctx.device, config)
+    model = FeatureModel.load(target_dir, dcfg.target_layer_ids, ctx.device, config)
+    # every shape before serving, so no compile stalls the drafters mid-run
+    model.compile_shapes(sorted({batches.shape(u, rows) for u, rows in batches.plan(0)}))
     start = resume_point(ctx, checkpoints, None)
     sender = comm.FeatureSender(ctx, config["train"]["queue_depth"])
     trace = Trace(Path(start["run"]) / "telemetry", ctx.rank)

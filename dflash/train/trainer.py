@@ -87,7 +87,9 @@ class Trainer:
         self.dcfg = drafter_config(config, target_dir)
         self.width = feature_width(self.dcfg, t["distill"])
         if self.topo.colocated:
-            self.target = FeatureModel(target_dir, self.dcfg.target_layer_ids, self.device, config)
+            self.target = FeatureModel.load(
+                target_dir, self.dcfg.target_layer_ids, self.device, config
+            )
             embed = self.target.features.embed_tokens
             head = self.target.features.lm_head.weight
         else:
@@ -96,7 +98,7 @@ class Trainer:
             self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
         self.held_out = None
         if held_out is not None and t["tau_sim"]["every"] > 0 and ctx.rank == 0:
-            model = self.target or FeatureModel(
+            model = self.target or FeatureModel.load(
                 target_dir, self.dcfg.target_layer_ids, self.device, config
             )
             self.held_out = HeldOut(held_out, t["tau_sim"]["rows"], model)
@@ -237,6 +239,8 @@ class Trainer:
         started = time.perf_counter()
         no_sync = self.step_fn.model.no_sync if self.ddp else None
         vocab = self.dcfg.vocab_size
+        if self.target is not None:
+            self.target.compile_shapes(shapes)
         run_shapes(self.step_fn, shapes, self.width, vocab, self.compute_dtype, no_sync=no_sync)
         self.compile_s = round(time.perf_counter() - started, 1)
         log.info("%s compiled %d shapes in %.1f s", self.ctx.name, len(shapes), self.compile_s)

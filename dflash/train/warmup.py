@@ -1,4 +1,5 @@
-"""warmup_compile: compile the drafter training step for every bucket shape, on one thread.
+"""warmup_compile: compile the drafter training step for every bucket shape, on one thread, and
+the target's decoder layer that computes training's features (`compile.target`).
 
 Why: compiling from several threads or processes at once serialises on a global lock and races in
 FX tracing (seen as crashes when one thread traces while another runs compiled code), and without a
@@ -64,6 +65,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         resolve_device,
         run_shapes,
     )
+    from dflash.train.features import FeatureModel
 
     dcfg, ccfg = config["drafter"], config["compile"]
     device = resolve_device(ccfg["device"])
@@ -106,7 +108,34 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
             }
         )
         log.info("warmup %s", records[-1])
-    return records, {"device": str(device), "attention": attention, "dtype": str(dtype)}
+    del step, drafter
+    features = FeatureModel(one_layer_target(target_config, device), [0], device, config)
+    for record, seconds in zip(records, features.compile_shapes(shapes), strict=False):
+        record["target_layer_s"] = round(seconds, 2)  # the target's compiled layer, first call
+        log.info("warmup target layer %s", record)
+    setup = {"device": str(device), "attention": attention, "dtype": str(dtype)}
+    return records, setup | {"target_compiled": features.compiled}
+
+
+def one_layer_target(target_config, device):
+    """The target's architecture cut to one decoder layer, random weights: the compiled layer
+    graph training runs in every layer depends on shapes and dtypes, not on weights or depth,
+    and an 8B target's one layer loads in a moment."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash.train.features import target_dtype
+
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=target_dtype(device))
+    return model.eval().requires_grad_(False)
 
 
 def _peak_gb(device) -> float:
