@@ -19,6 +19,17 @@ class ConfigError(UserError):
     pass
 
 
+def flatten(obj, prefix: str = "") -> dict:
+    """Nested dicts as one level of dotted keys ({"a": {"b": 1}} -> {"a.b": 1}); an empty dict
+    is a leaf. For diffing two configs or records, and for MLflow's flat parameters."""
+    if isinstance(obj, dict) and obj:
+        out = {}
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
 def _with_defaults(validator_class):
     validate_properties = validator_class.VALIDATORS["properties"]
 

@@ -180,39 +180,58 @@ def test_tensorboard_shows_every_step_of_the_run(runs):
         )
 
 
+# Loaded by the training process (sitecustomize on PYTHONPATH): its 6th target forward raises,
+# after 5 steps were logged and checkpointed.
+FAILING_TARGET = """
+import dflash.train.features as features
+queue = features.FeatureModel.queue
+calls = []
+def failing(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 6:
+        raise RuntimeError("injected failure")
+    return queue(self, *args, **kwargs)
+features.FeatureModel.queue = failing
+"""
+
+
 def test_mlflow_logs_every_step_and_a_resumed_run_continues_the_same_mlflow_run(
-    data, target_dir, tmp_path, monkeypatch
+    runs, data, target_dir, tmp_path, monkeypatch
 ):
     """With MLFLOW_TRACKING_URI set (train.mlflow: auto), the run's curves and config land in
-    MLflow; a rerun after losing the last checkpoints logs into the same MLflow run."""
+    MLflow. A run that fails is FAILED there; the rerun resumes into the same MLflow run and ends
+    it FINISHED, with every step logged."""
     import mlflow
 
     store = f"file://{tmp_path / 'mlruns'}"
     env = {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this test's own client reads it too
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAILING_TARGET)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     out = tmp_path / "run"
-    finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
-    logged = [r["step"] for r in steps(out)]
+    failed = launch(
+        config(0, 1), data, target_dir, out, torchrun=False, env=env | {"PYTHONPATH": path}
+    )
+    assert failed.wait(timeout=600) != 0 and "injected failure" in failed.stderr.read()
     client = mlflow.MlflowClient(store)
     (experiment,) = [e for e in client.search_experiments() if e.name == "dflash"]
     (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
     assert run.data.params["train.lr"] == "0.001" and run.info.run_name == run_dir(out).name
-    loss = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.step for m in loss] == logged
-    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in steps(out)])
+    before = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert before == [1, 2, 3, 4, 5]
 
-    # lose the outputs and the last checkpoints: the rerun resumes and logs the rest again
-    for path in sorted(run_dir(out).glob("step-*"))[-2:]:
-        subprocess.run(["rm", "-r", str(path)], check=True)
-    for name in ("drafter", "metrics.jsonl", "summary.json"):
-        subprocess.run(["rm", "-r", str(out / name)], check=True)
     err = finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
     assert "resumed from" in err
-    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [
-        run.info.run_id
-    ]
-    again = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert sorted(set(again)) == logged and len(again) > len(logged)
+    (again,) = client.search_runs([experiment.experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in loss] == [r["step"] for r in steps(out)]
+    # the resumed run logs what an uninterrupted one does
+    assert steps(out) == steps(runs[(0, 1)])
+    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in steps(out)])
 
 
 def test_mlflow_true_without_a_tracking_uri_fails_before_training(data, target_dir, tmp_path):

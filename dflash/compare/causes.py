@@ -3,7 +3,8 @@ data, host), each weighted by how strongly it can move the effect in question.""
 
 from __future__ import annotations
 
-from dflash.compare.evidence import describe_change, dig, flatten, fmt, is_number, pct_change
+from dflash.compare.evidence import describe_change, dig, fmt, is_number, pct_change
+from dflash.config import flatten
 from dflash.stages import TRAINING_CONFIG
 
 # Packages whose version moves GPU kernels or numerics; any other package is a weak suspect.

@@ -61,15 +61,6 @@ def dig(record: dict, dotted: str):
     return record
 
 
-def flatten(obj, prefix="") -> dict:
-    if isinstance(obj, dict) and obj:
-        out = {}
-        for k, v in obj.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: obj}
-
-
 def is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 

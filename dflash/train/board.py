@@ -12,7 +12,8 @@ MLflow (`train.mlflow`): `auto` logs where the `mlflow` package is installed and
 `MLFLOW_TRACKING_URI` names a tracking server or store (how MLflow users configure it), `true`
 requires both, `false` never logs. One MLflow run per training run: its id is kept in the run
 folder, so a resumed run continues the same MLflow run (MLflow keeps a metric's history, so the
-steps after the checkpoint appear twice there). The run's parameters are the config, flattened.
+steps after the checkpoint appear twice there); an attempt that fails ends it FAILED, the one
+that finishes ends it FINISHED. The run's parameters are the config, flattened.
 metrics.jsonl stays the record; both are views of it.
 """
 
@@ -22,6 +23,7 @@ import logging
 import os
 from pathlib import Path
 
+from dflash.config import flatten
 from dflash.errors import UserError
 from dflash.io import atomic_path
 
@@ -51,9 +53,9 @@ class Board:
         for view in self.views:
             view.log(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         for view in self.views:
-            view.close()
+            view.close(failed)
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -83,7 +85,7 @@ class TensorBoard:
             self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()  # live: a reader sees each step as it is logged
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.writer is not None:
             self.writer.close()
 
@@ -103,16 +105,6 @@ def mlflow_module(mode):
     return mlflow if mlflow is not None and configured else None
 
 
-def flat(config: dict, prefix: str = "") -> dict[str, str]:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = str(value)[:500]  # MLflow's limit on a parameter value
-    return out
-
-
 class MLflowRun:
     """One MLflow run per training run (its id kept in the run folder, for resumes)."""
 
@@ -124,7 +116,8 @@ class MLflowRun:
             self.active = mlflow.start_run(run_id=id_file.read_text().strip())
         else:
             self.active = mlflow.start_run(run_name=run.name)
-            mlflow.log_params(flat(config))
+            # MLflow's limit on a parameter value: 500 characters
+            mlflow.log_params({k: str(v)[:500] for k, v in flatten(config).items()})
             with atomic_path(id_file) as tmp:
                 tmp.write_text(self.active.info.run_id)
         log.info("mlflow: run %s at %s", self.active.info.run_id, mlflow.get_tracking_uri())
@@ -132,5 +125,6 @@ class MLflowRun:
     def log(self, record: dict) -> None:
         self.mlflow.log_metrics(scalars(record), step=record["step"])
 
-    def close(self) -> None:
-        self.mlflow.end_run()
+    def close(self, failed: bool = False) -> None:
+        # a resumed run is the same MLflow run: FAILED until a later attempt finishes it
+        self.mlflow.end_run(status="FAILED" if failed else "FINISHED")

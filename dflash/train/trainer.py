@@ -253,6 +253,7 @@ class Trainer:
         if self.ctx.rank == 0:  # before compiling: a misconfigured live view fails at once
             keep_metrics_upto(live, self.step)
             self.board = Board(self.run, self.step, self.config)
+        failed = True
         try:
             if self.config["compile"]["enabled"]:
                 self.compile_shapes()
@@ -260,11 +261,12 @@ class Trainer:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
             with watch_syncs(self.device):
                 self._train_epochs(live, trace)
+            failed = False
         finally:
             if self.ctx.rank == 0:
                 if hasattr(self, "host"):
                     self.host.close()
-                self.board.close()  # an MLflow run ends with the process, finished or not
+                self.board.close(failed)  # an MLflow run ends with the process: FAILED or not
 
     def _train_epochs(self, live: Path, trace: Trace) -> None:
         """The steps, queued without waiting for the device: a step's record (its metrics are
