@@ -13,6 +13,7 @@ model loading excluded; the static pass includes its CUDA graph captures. fp32 s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -48,7 +49,7 @@ def hf_pass(gen, rows, batch_size, max_prompt):
     return out, tokens, time.perf_counter() - started
 
 
-def static_pass(gen, rows, batch_size, max_prompt):
+def static_pass(gen, rows, batch_size, max_prompt, attention="sdpa"):
     by_id = {r["id"]: r for r in rows}
     order = [by_id[i] for ids in plan_batches(rows, gen.tokenizer, batch_size) for i in ids]
     out = {}
@@ -59,6 +60,7 @@ def static_pass(gen, rows, batch_size, max_prompt):
         max_prompt,
         lambda c: out.__setitem__(c.row["id"], c.result()["turn_token_ids"]),
         batch_size,
+        attention=attention,
     )
     _sync()
     return out, tokens, time.perf_counter() - started
@@ -73,6 +75,7 @@ def main():
     parser.add_argument("--max-prompt", type=int, default=2048, help="data.max_length")
     parser.add_argument("--hf-batch-size", type=int, default=128, help="today's h200.yaml")
     parser.add_argument("--static-batch-size", type=int, nargs="+", default=[256])
+    parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "flex"])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -95,11 +98,12 @@ def main():
             },
             "static": [],
         }
-        for batch in args.static_batch_size:
-            st, st_tokens, st_s = static_pass(gen, rows, batch, args.max_prompt)
+        for batch, attention in itertools.product(args.static_batch_size, args.attention):
+            st, st_tokens, st_s = static_pass(gen, rows, batch, args.max_prompt, attention)
             result["static"].append(
                 {
                     "batch": batch,
+                    "attention": attention,
                     "tokens": st_tokens,
                     "seconds": round(st_s, 1),
                     "tokens_per_s": round(st_tokens / st_s),

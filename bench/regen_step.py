@@ -4,14 +4,17 @@
     python bench/regen_step.py --target-config bench/configs/smollm2-135m   # random weights
 
 Times one `BatchedGreedy.step()` (CUDA-graph replay + host sync) against the same step run
-eagerly, and one full prefill call of prompts three quarters of the tier (capacity - 512) long,
-per prompt, beside one prompt per call (how prefill ran before). The step attends over the whole preallocated cache, so its cost grows with the
-capacity (prompt tier + max_new_tokens).
+eagerly, for each decode-step attention (`sdpa`: the whole preallocated cache under a mask, so
+its cost grows with the capacity, prompt tier + max_new_tokens; `flex`: only each row's live key
+blocks), and one full prefill call of prompts three quarters of the tier (capacity - 512) long,
+per prompt, beside one prompt per call (how prefill ran before). The rows' positions are spread
+evenly from that prompt length to the end of the cache, as in a refilled batch mid-run.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -41,6 +44,7 @@ def main():
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--target", type=Path)
     source.add_argument("--target-config", type=Path, help="random weights: time is the same")
+    parser.add_argument("--attention", nargs="+", default=["sdpa", "flex"])
     args = parser.parse_args()
     if args.target:
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
@@ -48,17 +52,22 @@ def main():
         config = AutoConfig.from_pretrained(args.target_config)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.cuda().eval()
-    for batch, capacity in SHAPES:
+    for (batch, capacity), attention in itertools.product(SHAPES, args.attention):
         tier = capacity - 512
         n = tier * 3 // 4  # a prompt three quarters of its tier long
-        engine = BatchedGreedy(model, batch, capacity, prompt_width=tier)
-        engine.positions.fill_(100)
-        engine.step()  # captures
+        engine = BatchedGreedy(model, batch, capacity, prompt_width=tier, attention=attention)
+        spread = torch.linspace(n, capacity - 1, batch, device=engine.device).long()
+
+        def step(e=engine, spread=spread):
+            e.positions.copy_(spread)  # step() advances them: start each call from the spread
+            e.step()
+
+        step()  # captures
         rows = list(range(engine.prefill_rows))
         prompts = [list(range(n))] * len(rows)
         engine.prefill(rows, prompts)
-        step = timed(engine.step, 50)
-        eager = timed(lambda e=engine: e._step(e.tokens, e.positions), 20)
+        step_s = timed(step, 50)
+        eager = timed(lambda e=engine, p=spread: e._step(e.tokens, p), 20)
         prefill = timed(lambda e=engine, r=rows, p=prompts: e.prefill(r, p), 20) / len(rows)
         del engine
         torch.cuda.empty_cache()
@@ -68,8 +77,8 @@ def main():
         alone.prefill([0], prompts[:1])
         one = timed(lambda e=alone, p=prompts[:1]: e.prefill([0], p), 20)
         print(
-            f"batch {batch} capacity {capacity}: step {step * 1e3:.2f} ms "
-            f"(eager {eager * 1e3:.2f}) = {batch / step:.0f} tokens/s; prefill of a "
+            f"batch {batch} capacity {capacity} {attention}: step {step_s * 1e3:.2f} ms "
+            f"(eager {eager * 1e3:.2f}) = {batch / step_s:.0f} tokens/s; prefill of a "
             f"{n}-token prompt {prefill * 1e3:.2f} ms ({len(rows)} per call) vs "
             f"{one * 1e3:.2f} ms alone",
             flush=True,

@@ -102,11 +102,15 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
         assert row["input_ids"][-len(last) :] == last  # exactly as generated
 
 
-def test_static_engine_regenerates_what_transformers_generate_does(target_dir, tiny_workflow):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_static_engine_regenerates_what_transformers_generate_does(
+    target_dir, tiny_workflow, attention
+):
     """fp32 greedy: the refilled static batch gives every turn of every conversation the same
     tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
     refilled), turns in two prompt tiers (two cache sizes), and a turn whose prompt
-    fills max_prompt ending its conversation in both."""
+    fills max_prompt ending its conversation in both; with either decode-step attention (flex
+    reads only each row's live key blocks)."""
     from dflash.data.expand import read_rows
     from dflash.data.generation import (
         Generator,
@@ -131,7 +135,8 @@ def test_static_engine_regenerates_what_transformers_generate_does(target_dir, t
     got = {}
     tiers = [prompt_lengths[len(rows) // 2], max_prompt]  # two caches, the second larger
     tokens = regenerate_continuous(
-        gen, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result()), 3, tiers
-    )
+        gen, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result()), 3, tiers,
+        attention=attention,
+    )  # fmt: skip
     assert got == expected
     assert tokens == hf_tokens > 0

@@ -162,7 +162,13 @@ def prompt_tiers(max_prompt: int, smallest: int = 256) -> list[int]:
 
 
 def regenerate_continuous(
-    gen: Generator, rows: list[dict], max_prompt: int, on_done, batch: int, tiers=None
+    gen: Generator,
+    rows: list[dict],
+    max_prompt: int,
+    on_done,
+    batch: int,
+    tiers=None,
+    attention: str = "sdpa",
 ):
     """Regenerate the rows through the static engine, `batch` rows at a time, keeping every
     cache row busy: a row whose turn ends takes the same conversation's next turn or the next
@@ -174,6 +180,7 @@ def regenerate_continuous(
     300-token prompt should not pay for a 2,560-row one. The tier is a function of the prompt's
     own length and the batch is fixed, so a row's tokens still depend only on its own prompt.
     A conversation's later turns have longer prompts: they join the same or a later tier.
+    `attention` is the decode step's (`BatchedGreedy`).
     """
     tiers = tiers or prompt_tiers(max_prompt)
     queues: list[deque] = [deque() for _ in tiers]
@@ -203,7 +210,8 @@ def regenerate_continuous(
         enqueue(Conversation(row))
     for tier, queue in zip(tiers, queues, strict=True):
         if queue:
-            engine = BatchedGreedy(gen.model, batch, tier + gen.max_new_tokens, prompt_width=tier)
+            capacity = tier + gen.max_new_tokens
+            engine = BatchedGreedy(gen.model, batch, capacity, tier, attention=attention)
             _drain(gen, engine, queue, end_turn)
             del engine  # its caches and graphs, before the next tier's are allocated
     return n_tokens

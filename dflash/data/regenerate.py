@@ -111,10 +111,11 @@ def _run_batches(gen, plan, by_id, workdir, max_prompt, progress) -> list[dict]:
     return done
 
 
-def _run_continuous(gen, plan, by_id, workdir, batch_size, max_prompt, progress) -> list[dict]:
+def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress) -> list[dict]:
     """The static engine with rows refilled as they finish; finished conversations are saved
     in parts of `batch_size`. A resumed run skips the saved ones (a row's tokens depend only on
     its own prompt, so the rest come out as in an uninterrupted run)."""
+    batch_size = params["batch_size"]
     parts = sorted(workdir.glob("done-*.jsonl"))
     done = [r for part in parts for r in _load_part(part) if r["id"] in by_id]
     progress(done, [], 0)
@@ -137,7 +138,9 @@ def _run_continuous(gen, plan, by_id, workdir, batch_size, max_prompt, progress)
 
     if todo:
         # the batch is fixed (not cut to what is left) so that every step has the same shape
-        regenerate_continuous(gen, todo, max_prompt, on_done, batch_size)
+        regenerate_continuous(
+            gen, todo, max_prompt, on_done, batch_size, attention=params["attention"]
+        )
         if pending:
             flush()
     return done
@@ -185,9 +188,7 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         bar.set_postfix(tok_s=f"{counts['new_tokens'] / (time.perf_counter() - started):.0f}")
 
     if static:
-        done = _run_continuous(
-            gen, plan, by_id, workdir, params["batch_size"], max_prompt, progress
-        )
+        done = _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress)
     else:
         done = _run_batches(gen, plan, by_id, workdir, max_prompt, progress)
     bar.close()

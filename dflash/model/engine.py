@@ -158,6 +158,30 @@ class CudaGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
 
+# Cache rows per flex_attention key block: the decode step reads only the blocks up to each
+# row's own position, instead of the whole cache under a mask.
+KV_BLOCK = 128
+
+
+def live_blocks(positions: torch.Tensor, capacity: int):
+    """A flex_attention BlockMask for one query per row: row b sees cache rows 0..positions[b],
+    the blocks past it are never read. Tensor work only (it runs inside the step's CUDA graph)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, n_blocks = positions.shape[0], capacity // KV_BLOCK
+    counts = (positions // KV_BLOCK + 1).to(torch.int32).view(batch, 1, 1)
+    order = torch.arange(n_blocks, dtype=torch.int32, device=positions.device)
+    indices = order.view(1, 1, 1, n_blocks).expand(batch, 1, 1, n_blocks).contiguous()
+
+    def visible(b, h, q, kv):
+        return kv <= positions[b]
+
+    return BlockMask.from_kv_blocks(
+        counts, indices, BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=visible,
+        seq_lengths=(1, capacity),
+    )  # fmt: skip
+
+
 class BatchedGreedy:
     """Greedy decoding of `batch` independent sequences over one preallocated KV cache.
 
@@ -168,6 +192,10 @@ class BatchedGreedy:
     prefill rows write to a scratch cache row no sequence reads). Rows can therefore be refilled
     as they finish (no waiting for the batch's longest), and a resumed regeneration produces the
     same tokens as an uninterrupted one. On CUDA both replay CUDA graphs.
+
+    `attention`: `sdpa` attends over the whole cache under a mask (its cost grows with the
+    capacity, whatever the rows' lengths); `flex` reads only the key blocks up to each row's
+    position (compiled flex_attention; the capacity is rounded up to whole blocks).
     """
 
     # Tokens per prefill call: one prompt at a time cost ~5 ms whatever its length (30 layers of
@@ -175,11 +203,26 @@ class BatchedGreedy:
     # GEMMs full and the padding's extra compute small.
     PREFILL_TOKENS = 8192
 
-    def __init__(self, model: nn.Module, batch: int, capacity: int, prompt_width: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        capacity: int,
+        prompt_width: int,
+        attention: str = "sdpa",
+    ):
         if not supports_static(model):
             raise ValueError(f"model type {model.config.model_type!r} has no static decoder here")
         if prompt_width >= capacity:
             raise ValueError(f"prompt_width {prompt_width} leaves no room in capacity {capacity}")
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
+        self.attention = attention
+        if attention == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            capacity = -(-capacity // KV_BLOCK) * KV_BLOCK
+            self.flex = torch.compile(flex_attention, dynamic=False)
         self.model, self.decoder = model, model.get_decoder()
         self.batch, self.capacity, self.prompt_width = batch, capacity, prompt_width
         self.prefill_rows = max(1, min(batch, self.PREFILL_TOKENS // prompt_width))
@@ -243,23 +286,27 @@ class BatchedGreedy:
         cos, sin = self.decoder.rotary_emb(x, positions[:, None])
         # each row sees its own cache rows up to its position; later rows are a previous
         # sequence's leftovers
-        mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
+        if self.attention == "flex":
+            blocks = live_blocks(positions, self.capacity)
+        else:
+            mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
             q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
             self.keys[i][self.batch_rows, :, positions] = k[:, :, 0]
             self.values[i][self.batch_rows, :, positions] = v[:, :, 0]
-            # one query per row: fold the query heads sharing a key head into the query axis,
-            # so grouped-query attention reads the cache once instead of copying it per head
-            kv_heads = k.shape[1]
-            grouped = q.reshape(self.batch, kv_heads, -1, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                grouped,
-                self.keys[i][: self.batch],
-                self.values[i][: self.batch],
-                attn_mask=mask,
-                scale=attn.scaling,
-            )
+            keys, values = self.keys[i][: self.batch], self.values[i][: self.batch]
+            if self.attention == "flex":
+                out = self.flex(
+                    q, keys, values, block_mask=blocks, scale=attn.scaling, enable_gqa=True
+                ).transpose(1, 2)
+            else:
+                # one query per row: fold the query heads sharing a key head into the query
+                # axis, so grouped-query attention reads the cache once instead of per head
+                grouped = q.reshape(self.batch, k.shape[1], -1, self.head_dim)
+                out = F.scaled_dot_product_attention(
+                    grouped, keys, values, attn_mask=mask, scale=attn.scaling
+                )
             x = x + attn.o_proj(out.reshape(self.batch, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return (self.model.lm_head(self.decoder.norm(x))[:, 0].argmax(-1),)
