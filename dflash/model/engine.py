@@ -178,7 +178,7 @@ def live_blocks(positions: torch.Tensor, capacity: int):
 
     return BlockMask.from_kv_blocks(
         counts, indices, BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=visible,
-        seq_lengths=(1, capacity),
+        seq_lengths=(1, capacity), compute_q_blocks=False,  # those serve the backward only
     )  # fmt: skip
 
 
