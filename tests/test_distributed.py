@@ -300,6 +300,11 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
 def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target_dir, tmp_path):
     """The same colocated run with other processes busy on every CPU: same weights, lower
     throughput, and compare blames the host, from what the training itself sampled."""
+    run = launch(config(0, 1), data, target_dir, tmp_path, torchrun=False)
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("ckpt/run-*")):  # imports and loading done: training begins
+        assert run.poll() is None and time.time() < deadline, run.stderr.read()[-3000:]
+        time.sleep(0.05)
     # Each burner in its own session, as another user's job would be: the kernel shares CPUs
     # fairly between sessions (autogroup), so burners in the test's own session barely slow a
     # run that sits in a session of its own.
@@ -308,7 +313,7 @@ def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target
         for _ in range(2 * (os.cpu_count() or 1))
     ]
     try:
-        finish(launch(config(0, 1), data, target_dir, tmp_path, torchrun=False))
+        finish(run)
     finally:
         for burner in burners:
             burner.kill()
