@@ -144,3 +144,26 @@ def test_drafter_overfits_one_batch(target_dir, batch):
     assert history[0]["tau"] < 1.5
     assert history[-1]["tau"] > 3.0, [round(m["tau"], 2) for m in history]
     assert history[-1]["loss"] < 0.3 * history[0]["loss"]
+
+
+def test_a_compiler_failure_leaves_the_features_eager(small_decoder, monkeypatch, caplog):
+    """An inductor bug must not end a week-long run: the features run eagerly, said loudly."""
+    import dflash.model.target as target_module
+    from dflash.train.features import FeatureModel
+
+    def broken(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: injected failure")
+
+        return compiled
+
+    monkeypatch.setattr(target_module.torch, "compile", broken)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**small_decoder)).eval()
+    config = {"train": {"distill": 0}, "compile": {"enabled": True, "target": True}}
+    features = FeatureModel(model, [0, 2], torch.device("cpu"), config)
+    assert features.compiled
+    assert features.compile_shapes([(2, 12)]) == []
+    assert not features.compiled and "features run eagerly" in caplog.text
+    ids = torch.randint(0, small_decoder["vocab_size"], (2, 12))
+    assert torch.equal(features.queue(ids), features.queue(ids, compiled=False))

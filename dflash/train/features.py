@@ -12,6 +12,7 @@ import polars as pl
 import torch
 
 from dflash.errors import UserError
+from dflash.model.decoder import layer_output
 from dflash.model.drafter import DrafterConfig
 from dflash.model.precision import native_bf16
 from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
@@ -98,12 +99,24 @@ class FeatureModel:
 
     def compile_shapes(self, shapes) -> list[float]:
         """Run each (batch, length) shape once, compiling its graph (or loading it from the
-        compile cache) before training needs it; seconds per shape. A no-op when eager."""
+        compile cache) before training needs it; seconds per shape. A no-op when eager.
+
+        A compiler failure is logged and the features run eagerly: they differ from compiled
+        ones by rounding only, and a week-long run should not die of an inductor bug."""
         if not self.compiled:
             return []
-        return [
-            self(torch.zeros(shape, dtype=torch.long, device=self.device))[1] for shape in shapes
-        ]
+        try:
+            return [
+                self(torch.zeros(shape, dtype=torch.long, device=self.device))[1]
+                for shape in shapes
+            ]
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001  (dynamo and inductor raise many kinds)
+            log.warning("compiling the target's layer failed (%s); features run eagerly", e)
+            self.features.layer_fn = layer_output
+            self.compiled = False
+            return []
 
 
 class HeldOut:
