@@ -29,8 +29,9 @@ def child(cache: str) -> None:
             "gamma": None,
             "target_layer_ids": None,
         },
-        "compile": {"enabled": True, "device": "auto", "attention": "auto"},
+        "compile": {"enabled": True, "device": "auto", "attention": "auto", "target": True},
         "target": {"mask_token_id": 151669},
+        "train": {"distill": 0},
     }
     t0 = time.perf_counter()
     records, setup = warm_shapes(Path(__file__).parent / "qwen3-8b-config", config, SHAPES, steps=3)

@@ -5,7 +5,16 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
@@ -50,16 +59,26 @@ def test_features_equal_hidden_state_slices_and_stop_early(target_dir, batch):
     assert torch.allclose(got[valid], expected[valid], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", [LlamaConfig, Qwen3Config], ids=["llama", "qwen3"])
-def test_written_out_layers_equal_transformers_and_compile_to_one_graph(config, small_decoder):
+DECODERS = {  # (config, model, config fields beyond small_decoder's)
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    # Mistral's config defaults to a 4,096-token sliding window (v0.1), which runs through
+    # transformers; later Mistral models have none
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+}
+
+
+@pytest.mark.parametrize("kind", DECODERS)
+def test_written_out_layers_equal_transformers_and_compile_to_one_graph(kind, small_decoder):
     """The written-out decoder (no mask machinery, no host sync) gives transformers' own hidden
     states bit for bit; a padding mask that is not right-padding goes through transformers'
     forward; compiled, every layer runs one graph."""
     import torch._dynamo
 
     torch.manual_seed(0)
-    cls = LlamaForCausalLM if config is LlamaConfig else Qwen3ForCausalLM
-    model = cls(config(**small_decoder)).eval()
+    config, cls, extra = DECODERS[kind]
+    model = cls(config(**small_decoder, **extra)).eval()
     ids = torch.randint(0, small_decoder["vocab_size"], (2, 12))
     left = torch.ones_like(ids)
     left[0, :3] = 0
@@ -144,6 +163,19 @@ def test_drafter_overfits_one_batch(target_dir, batch):
     assert history[0]["tau"] < 1.5
     assert history[-1]["tau"] > 3.0, [round(m["tau"], 2) for m in history]
     assert history[-1]["loss"] < 0.3 * history[0]["loss"]
+
+
+def test_a_sliding_window_target_runs_through_transformers(small_decoder):
+    """A layout the written-out layer does not cover (here a sliding window) keeps
+    transformers' forward, and compiling it is a no-op."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**small_decoder, sliding_window=8)).eval()
+    ids = torch.randint(0, small_decoder["vocab_size"], (2, 12))
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    features = TargetFeatures(model, [0, 2])
+    assert not features.written_out and not features.compile_layers()
+    assert torch.equal(features(ids), torch.cat([hidden[1], hidden[3]], -1))
 
 
 def test_a_compiler_failure_leaves_the_features_eager(small_decoder, monkeypatch, caplog):

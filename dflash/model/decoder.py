@@ -22,15 +22,18 @@ from dflash.model.drafter import apply_rope
 STATIC_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
-def supports_static(model: nn.Module) -> bool:
-    """Whether the model's decoder is one this module can write out (no sliding window)."""
-    config = model.config
+def static_layout(config) -> bool:
+    """Whether a decoder of this config is one this module can write out (no sliding window)."""
     window = (
         getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True)
         else None
     )
     return config.model_type in STATIC_TYPES and window is None
+
+
+def supports_static(model: nn.Module) -> bool:
+    return static_layout(model.config)
 
 
 def head_dim(config) -> int:
@@ -60,7 +63,13 @@ def causal_layer(layer: nn.Module, x: torch.Tensor, cos, sin, head_dim: int):
     )
     b, n = x.shape[:2]
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+    return x + mlp(layer, layer.post_attention_layernorm(x)), k, v
+
+
+def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP; a mixture-of-experts block may also return its router logits."""
+    out = layer.mlp(h)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def layer_output(layer: nn.Module, x: torch.Tensor, cos, sin, head_dim: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.decoder import causal_layer, head_dim, qkv, supports_static
+from dflash.model.decoder import causal_layer, head_dim, mlp, qkv, supports_static
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class StaticTarget:
                 q, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + mlp(layer, layer.post_attention_layernorm(x))
             if i in self.layer_ids:
                 features.append(x)
         logits = self.model.lm_head(self.decoder.norm(x[:, -1:] if last_only else x))
@@ -163,9 +163,10 @@ class CudaGraphs:
 KV_BLOCK = 128
 
 
-def live_blocks(positions: torch.Tensor, capacity: int):
-    """A flex_attention BlockMask for one query per row: row b sees cache rows 0..positions[b],
-    the blocks past it are never read. Tensor work only (it runs inside the step's CUDA graph)."""
+def live_blocks(positions: torch.Tensor, capacity: int, queries: int):
+    """A flex_attention BlockMask for `queries` queries per row (the query heads of one key
+    head): row b sees cache rows 0..positions[b], the blocks past it are never read. Tensor work
+    only (it runs inside the step's CUDA graph)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, n_blocks = positions.shape[0], capacity // KV_BLOCK
@@ -178,7 +179,7 @@ def live_blocks(positions: torch.Tensor, capacity: int):
 
     return BlockMask.from_kv_blocks(
         counts, indices, BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=visible,
-        seq_lengths=(1, capacity), compute_q_blocks=False,  # those serve the backward only
+        seq_lengths=(queries, capacity), compute_q_blocks=False,  # those serve a backward only
     )  # fmt: skip
 
 
@@ -286,8 +287,10 @@ class BatchedGreedy:
         cos, sin = self.decoder.rotary_emb(x, positions[:, None])
         # each row sees its own cache rows up to its position; later rows are a previous
         # sequence's leftovers
+        config = self.model.config
+        groups = config.num_attention_heads // config.num_key_value_heads
         if self.attention == "flex":
-            blocks = live_blocks(positions, self.capacity)
+            blocks = live_blocks(positions, self.capacity, groups)
         else:
             mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
         for i, layer in enumerate(self.decoder.layers):
@@ -296,17 +299,16 @@ class BatchedGreedy:
             self.keys[i][self.batch_rows, :, positions] = k[:, :, 0]
             self.values[i][self.batch_rows, :, positions] = v[:, :, 0]
             keys, values = self.keys[i][: self.batch], self.values[i][: self.batch]
+            # one query per row: fold the query heads sharing a key head into the query axis,
+            # so grouped-query attention reads the cache once instead of per head (and flex
+            # uses its decoding kernel, which takes no GQA ratio other than a power of two)
+            grouped = q.reshape(self.batch, k.shape[1], groups, self.head_dim)
             if self.attention == "flex":
-                out = self.flex(
-                    q, keys, values, block_mask=blocks, scale=attn.scaling, enable_gqa=True
-                ).transpose(1, 2)
+                out = self.flex(grouped, keys, values, block_mask=blocks, scale=attn.scaling)
             else:
-                # one query per row: fold the query heads sharing a key head into the query
-                # axis, so grouped-query attention reads the cache once instead of per head
-                grouped = q.reshape(self.batch, k.shape[1], -1, self.head_dim)
                 out = F.scaled_dot_product_attention(
                     grouped, keys, values, attn_mask=mask, scale=attn.scaling
                 )
             x = x + attn.o_proj(out.reshape(self.batch, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + mlp(layer, layer.post_attention_layernorm(x))
         return (self.model.lm_head(self.decoder.norm(x))[:, 0].argmax(-1),)

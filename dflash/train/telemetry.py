@@ -17,6 +17,7 @@ on it, so on CPU it reads as full and the verdict relies on capacities and waiti
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import statistics
 import time
@@ -229,3 +230,26 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
         ),
     }
     return summary
+
+
+@contextlib.contextmanager
+def watch_syncs(device: torch.device):
+    """With DFLASH_SYNC_DEBUG=1 on CUDA, torch warns (once per source line) at each host sync:
+    a step is queued without one, so any warning outside `log_step`, `simulated_tau` and
+    `checkpoint` (the intended waits) is a stall to remove."""
+    if device.type != "cuda" or os.environ.get("DFLASH_SYNC_DEBUG") != "1":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def node_gpu_uuids(device: torch.device) -> list[str]:
+    """The GPUs this node's ranks use: rank r takes cuda:LOCAL_RANK (comm.init)."""
+    if device.type != "cuda":
+        return []
+    ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(ranks)]

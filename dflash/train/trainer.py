@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from dflash.train.features import (
     target_dtype,
 )
 from dflash.train.runs import Trace, keep_metrics_upto, resume_point
-from dflash.train.telemetry import Window, step_record
+from dflash.train.telemetry import Window, node_gpu_uuids, step_record, watch_syncs
 
 log = logging.getLogger(__name__)
 
@@ -396,26 +395,3 @@ class Trainer:
             print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
         else:
             log.info(line)
-
-
-@contextlib.contextmanager
-def watch_syncs(device: torch.device):
-    """With DFLASH_SYNC_DEBUG=1 on CUDA, torch warns (once per source line) at each host sync:
-    a step is queued without one, so any warning outside `log_step`, `simulated_tau` and
-    `checkpoint` (the intended waits) is a stall to remove."""
-    if device.type != "cuda" or os.environ.get("DFLASH_SYNC_DEBUG") != "1":
-        yield
-        return
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def node_gpu_uuids(device: torch.device) -> list[str]:
-    """The GPUs this node's ranks use: rank r takes cuda:LOCAL_RANK (comm.init)."""
-    if device.type != "cuda":
-        return []
-    ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
-    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(ranks)]

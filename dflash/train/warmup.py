@@ -57,6 +57,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
     import torch
     from transformers import AutoConfig
 
+    from dflash.model.decoder import static_layout
     from dflash.model.drafter import Drafter, DrafterConfig
     from dflash.model.step import (
         TrainStep,
@@ -109,11 +110,13 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         )
         log.info("warmup %s", records[-1])
     del step, drafter
+    setup = {"device": str(device), "attention": attention, "dtype": str(dtype)}
+    if not (ccfg["target"] and static_layout(target_config)):
+        return records, setup | {"target_compiled": False}  # features run eagerly: nothing to warm
     features = FeatureModel(one_layer_target(target_config, device), [0], device, config)
     for record, seconds in zip(records, features.compile_shapes(shapes), strict=False):
         record["target_layer_s"] = round(seconds, 2)  # the target's compiled layer, first call
         log.info("warmup target layer %s", record)
-    setup = {"device": str(device), "attention": attention, "dtype": str(dtype)}
     return records, setup | {"target_compiled": features.compiled}
 
 
