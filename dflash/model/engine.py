@@ -228,6 +228,8 @@ class BatchedGreedy:
         self.batch, self.capacity, self.prompt_width = batch, capacity, prompt_width
         self.prefill_rows = max(1, min(batch, self.PREFILL_TOKENS // prompt_width))
         self.head_dim = head_dim(model.config)
+        config = model.config
+        self.query_heads_per_key = config.num_attention_heads // config.num_key_value_heads
         weight = model.get_input_embeddings().weight
         self.device = weight.device
         # row `batch` is the scratch row unused prefill rows write to
@@ -287,8 +289,7 @@ class BatchedGreedy:
         cos, sin = self.decoder.rotary_emb(x, positions[:, None])
         # each row sees its own cache rows up to its position; later rows are a previous
         # sequence's leftovers
-        config = self.model.config
-        groups = config.num_attention_heads // config.num_key_value_heads
+        groups = self.query_heads_per_key
         if self.attention == "flex":
             blocks = live_blocks(positions, self.capacity, groups)
         else:

@@ -47,6 +47,11 @@ class Batches:
         data = self.config["data"]
         return bucket_batch_size(upper, data["token_budget"], data["max_batch_size"]), upper
 
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every batch shape of an epoch, by length (the warmup's order: the same graphs in the
+        sequence it filled the compile cache)."""
+        return sorted({self.shape(u, rows) for u, rows in self.plan(0)}, key=lambda s: s[::-1])
+
     def plan(self, epoch: int) -> list[tuple[int, list[int]]]:
         data = self.config["data"]
         return plan_epoch(

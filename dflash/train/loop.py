@@ -47,7 +47,7 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
     dcfg = drafter_config(config, target_dir)
     model = FeatureModel.load(target_dir, dcfg.target_layer_ids, ctx.device, config)
     # every shape before serving, so no compile stalls the drafters mid-run
-    model.compile_shapes(sorted({batches.shape(u, rows) for u, rows in batches.plan(0)}))
+    model.compile_shapes(batches.shapes())
     start = resume_point(ctx, checkpoints, None)
     sender = comm.FeatureSender(ctx, config["train"]["queue_depth"])
     trace = Trace(Path(start["run"]) / "telemetry", ctx.rank)

@@ -232,9 +232,7 @@ class Trainer:
 
         With the warmup rule's cache these are cache hits; gradients are discarded.
         """
-        plan = self.batches.plan(0)
-        # the warmup's order (by length): the same graphs in the sequence it filled the cache
-        shapes = sorted({self.batches.shape(u, rows) for u, rows in plan}, key=lambda s: s[::-1])
+        shapes = self.batches.shapes()
         started = time.perf_counter()
         no_sync = self.step_fn.model.no_sync if self.ddp else None
         vocab = self.dcfg.vocab_size
