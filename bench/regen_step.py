@@ -45,14 +45,18 @@ def main():
     source.add_argument("--target", type=Path)
     source.add_argument("--target-config", type=Path, help="random weights: time is the same")
     parser.add_argument("--attention", nargs="+", default=["sdpa", "flex"])
+    parser.add_argument(
+        "--shapes", nargs="+", help="BATCHxCAPACITY, e.g. 512x2560 (default: all of SHAPES)"
+    )
     args = parser.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
     if args.target:
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
     else:
         config = AutoConfig.from_pretrained(args.target_config)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.cuda().eval()
-    for (batch, capacity), attention in itertools.product(SHAPES, args.attention):
+    for (batch, capacity), attention in itertools.product(shapes, args.attention):
         tier = capacity - 512
         n = tier * 3 // 4  # a prompt three quarters of its tier long
         engine = BatchedGreedy(model, batch, capacity, prompt_width=tier, attention=attention)

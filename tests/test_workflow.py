@@ -279,6 +279,15 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     sim = acc["tau_sim"]  # the held-out prompts' regenerated rows, walked as decoding walks
     assert sim["rows"] == 2 and 1.0 <= sim["tau_sim"] <= 8.0 and sim["gap_pct"] is not None
     assert sim["matching_rows"]["rows"] + sim["diverged_rows"] == 2
+    prompts = acc["per_prompt"]  # which prompts each method wins, and on the reference's text
+    assert len(prompts["ids"]) == 2 and set(prompts["methods"]) == {
+        "lookup",
+        "untrained",
+        "drafter",
+    }
+    drafter = prompts["methods"]["drafter"]
+    assert all(drafter["same"])  # float32: every method decodes the target's own tokens
+    assert abs(sum(drafter["tau"]) / 2 - acc["tau_macro"]) < 1e-2
     metrics = [
         json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
     ]

@@ -97,6 +97,26 @@ def eval_prompts(config: dict, held_out: Path, cap: int | None = None) -> list[E
     return prompts
 
 
+def per_prompt(prompts, gens: dict[str, list[Generation]]) -> dict:
+    """Each method's τ per prompt and whether it decoded the target's own text (`same`): in bf16
+    methods that part from it at near ties are judged on different text, and a macro τ over few
+    prompts can turn on one that loops; this says which prompts a method wins, and on what."""
+    reference = gens["target"]
+    return {
+        "ids": [p.id for p in prompts],
+        "sets": [p.set_name for p in prompts],
+        "methods": {
+            name: {
+                "tau": [round(statistics.fmean(g.accepted), 3) if g.accepted else None for g in gs],
+                "tokens": [len(g.tokens) for g in gs],
+                "same": [g.tokens == r.tokens for g, r in zip(gs, reference, strict=True)],
+            }
+            for name, gs in gens.items()
+            if name != "target"
+        },
+    }
+
+
 def summarize(prompts, gens: list[Generation], block_size: int, reference) -> dict:
     """Metrics overall and per eval set; `reference`: target-only generations (lossless)."""
 
@@ -282,6 +302,7 @@ def run(args) -> None:
         **setup.sha,
         "reference_sha256": tokens_sha256(gens["target"]),
         "lossless": min(r["overall"]["lossless"] for r in results.values()),
+        "per_prompt": per_prompt(setup.prompts, gens),
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
