@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 from dflash.host import describe_host
@@ -149,6 +150,50 @@ def _precision(acceptance: dict) -> str:
     return f" ({dtype}; {ties} outputs part from the target's own at a near tie, rounding)"
 
 
+def _turn(prompt_id: str) -> int:
+    return int(prompt_id.split("#turn")[1]) if "#turn" in prompt_id else 1
+
+
+def per_prompt_text(acceptance: dict) -> str | None:
+    """Where prompt lookup beats the drafter, prompt by prompt: how often, by turn in each set with
+    later turns (asked after the target's own answer, which the target may repeat and lookup then
+    copies), and its largest leads."""
+    record = acceptance.get("per_prompt") or {}
+    methods = record.get("methods", {})
+    if "lookup" not in methods or "drafter" not in methods:
+        return None
+    pairs = [
+        (pid, set_name, d, lk)
+        for pid, set_name, d, lk in zip(
+            record["ids"],
+            record["sets"],
+            methods["drafter"]["tau"],
+            methods["lookup"]["tau"],
+            strict=True,
+        )
+        if d is not None and lk is not None
+    ]
+    ahead = sorted((p for p in pairs if p[3] > p[2]), key=lambda p: p[2] - p[3])
+    text = (
+        "**Per prompt** (`per_prompt` in `eval/acceptance.json`): prompt lookup is ahead on "
+        f"{len(ahead)} of {len(pairs)} prompts"
+    )
+    for set_name in sorted({p[1] for p in pairs if _turn(p[0]) > 1}):
+        first = [p for p in pairs if p[1] == set_name and _turn(p[0]) == 1]
+        later = [p for p in pairs if p[1] == set_name and _turn(p[0]) > 1]
+        text += f"; {set_name} τ macro drafter vs lookup, " + ", ".join(
+            f"{name}: {statistics.fmean(p[2] for p in group):.2f} vs "
+            f"{statistics.fmean(p[3] for p in group):.2f} ({len(group)})"
+            for name, group in (("first turns", first), ("later turns", later))
+            if group
+        )
+    if ahead:
+        text += "; lookup's largest leads: " + ", ".join(
+            f"{pid} ({lk:.2f} vs {d:.2f})" for pid, _, d, lk in ahead[:5]
+        )
+    return text + "."
+
+
 def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     b = acceptance["baselines"]
     best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
@@ -212,6 +257,9 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
             )
             + ").",
         ]
+    wins = per_prompt_text(acceptance)
+    if wins:
+        lines += ["", wins]
     sims = [(m["step"], m["tau_sim"]) for m in metrics if "tau_sim" in m]
     curve = (
         f"tau_sim on held-out rows {sims[0][1]:.3f} at step {sims[0][0]}, "
