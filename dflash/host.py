@@ -74,6 +74,23 @@ def process_ticks(pid: int) -> int | None:
     return sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (its interpreter's start, so imports count), to about
+    a second (/proc/stat's boot time has 1 s resolution); None where /proc is missing."""
+    import time
+
+    try:
+        start_ticks = int(_stat_fields("self")[19])  # field 22, starttime, ticks after boot
+        boot = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return time.time() - boot - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def run_pids() -> set[int]:
     """This process and the other ranks torchrun started on this node: siblings running the same
     command line (not everything the parent started, e.g. a test's other processes)."""

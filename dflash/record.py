@@ -127,6 +127,7 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "verdict",
             "host",
             "compile_s",
+            "startup_s",
         )
     }
     throughput["tokens_per_s_per_process"] = round((summary.get("tokens_per_s") or 0) / world, 1)

@@ -298,6 +298,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert f"τ = {acc['tau_macro']:.3f} (macro" in summary
     assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary
     assert "**Per prompt**" in summary and "of 2 prompts" in summary  # where lookup wins
+    assert "s after the process started" in summary
     assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
 
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())

@@ -165,7 +165,13 @@ def effects(a: dict, b: dict) -> list[dict]:
                     f"compiled for {max(ca, cb):.0f} s against {min(ca, cb):.0f} s: the slower "
                     "one found the compile cache cold or missed it (results/compile-cache, "
                     "filled by the warmup_compile rule; with it a start takes seconds)"
-                ],
+                ]
+                + (
+                    [f"first step {sa:.0f} s → {sb:.0f} s after the process started"]
+                    if (sa := ta.get("startup_s")) is not None
+                    and (sb := tb.get("startup_s")) is not None
+                    else []
+                ),
             }
         )
     la, lb = dig(a, "train.result.loss"), dig(b, "train.result.loss")

@@ -194,6 +194,15 @@ def per_prompt_text(acceptance: dict) -> str | None:
     return text + "."
 
 
+def _startup(train_summary: dict) -> str:
+    """When drafter 0 began training, counted from its process's start."""
+    startup, compiled = train_summary.get("startup_s"), train_summary.get("compile_s")
+    if startup is None:
+        return ""
+    compiling = f", {compiled:.0f} s of it compiling" if compiled is not None else ""
+    return f"; first step {startup:.0f} s after the process started{compiling}"
+
+
 def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     b = acceptance["baselines"]
     best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
@@ -280,7 +289,8 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         f"**Training:** {len(metrics)} optimizer steps, final loss {metrics[-1]['loss']:.3f}, teacher-forced τ "
         f"{metrics[-1]['tau']:.3f}{f'; {curve}' if curve else ''}; "
         f"{train_summary['tokens_per_s']:.0f} tokens/s with "
-        f"{train_summary['topology']['targets']} target + {train_summary['topology']['drafters']} drafter ranks. "
+        f"{train_summary['topology']['targets']} target + {train_summary['topology']['drafters']} drafter ranks"
+        f"{_startup(train_summary)}. "
         f"{train_summary.get('verdict', '')}. Host during training: "
         f"{describe_host(train_summary.get('host'))}.",
         "",

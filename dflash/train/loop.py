@@ -103,6 +103,8 @@ def _run(ctx: comm.Dist, args) -> None:
     summary = summarize(records, ctx.topology.as_dict(), config["train"]["queue_depth"])
     # before the first step: seconds with the warmup rule's cache, minutes without it
     summary["compile_s"] = trainer.compile_s
+    # from the process's start to its first step: imports, loading and the compile pass
+    summary["startup_s"] = trainer.startup_s
     # whether this rank's target features ran compiled (None: features came from target ranks)
     summary["target_compiled"] = trainer.target.compiled if trainer.target else None
     log.info("throughput: %s", summary.get("verdict", "no steps"))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import UserError
-from dflash.host import HostMonitor
+from dflash.host import HostMonitor, process_age_s
 from dflash.io import sha256_file
 from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter, init_from_target_top
@@ -160,6 +160,8 @@ class Trainer:
         }
         self.step, self.epoch, self.position = 0, 0, 0
         self.compile_s: float | None = None  # seconds compile_shapes took (None: compile off)
+        # seconds from this process's start to its first step (imports, loading and compiling)
+        self.startup_s: float | None = None
 
     def _ddp(self, module):
         from torch.nn.parallel import DistributedDataParallel
@@ -254,6 +256,9 @@ class Trainer:
         try:
             if self.config["compile"]["enabled"]:
                 self.compile_shapes()
+            age = process_age_s()
+            self.startup_s = round(age, 1) if age is not None else None
+            log.info("%s: first step %s s after its process started", self.ctx.name, self.startup_s)
             if self.ctx.rank == 0:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
             with watch_syncs(self.device):
