@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.drafter import Drafter, DrafterConfig
+from dflash.model.lm_loss import chunked_lm_loss
 from dflash.model.objective import (
     block_mask,
-    chunked_lm_loss,
     dense_mask,
     dflash_mask_mod,
     flex_attend,

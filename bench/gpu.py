@@ -300,7 +300,7 @@ class Bench:
     # ---- 3. CE alone ---------------------------------------------------------------------
 
     def ce_section(self):
-        from dflash.model.objective import checkpointed_lm_loss, chunked_lm_loss
+        from dflash.model.lm_loss import checkpointed_lm_loss, chunked_lm_loss
 
         T = self.args.anchors[0] * self.dcfg.block_size * self.micro_batch
         g = torch.Generator(device=self.device).manual_seed(2)
@@ -406,12 +406,8 @@ class Bench:
     def drafter_case(self, drafter, anchors: int, batch: int) -> dict:
         from drafter_step import useful_flops
 
-        from dflash.model.objective import (
-            checkpointed_lm_loss,
-            default_gamma,
-            dflash_loss,
-            sample_anchors,
-        )
+        from dflash.model.lm_loss import checkpointed_lm_loss
+        from dflash.model.objective import default_gamma, dflash_loss, sample_anchors
         from dflash.model.step import TrainStep, resolve_attention
 
         cfg = self.dcfg

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from dflash.model.drafter import Drafter, DrafterCache, DrafterConfig, load_drafter, save_drafter
+from dflash.model.lm_loss import chunked_lm_loss
 from dflash.model.objective import (
     Blocks,
     block_mask,
     block_metrics,
-    chunked_lm_loss,
     dense_mask,
     dflash_loss,
     dflash_mask_mod,
