@@ -28,6 +28,15 @@ from dflash.model.engine import BatchedGreedy  # noqa: E402
 SHAPES = [(256, 2560), (256, 1024), (512, 768), (512, 1024), (512, 1536), (512, 2560)]
 
 
+def shape(text: str) -> tuple[int, int]:
+    """`512x2560` -> (512, 2560)."""
+    try:
+        batch, capacity = map(int, text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want BATCHxCAPACITY, e.g. 512x2560") from None
+    return batch, capacity
+
+
 def timed(fn, n: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -46,10 +55,10 @@ def main():
     source.add_argument("--target-config", type=Path, help="random weights: time is the same")
     parser.add_argument("--attention", nargs="+", default=["sdpa", "flex"])
     parser.add_argument(
-        "--shapes", nargs="+", help="BATCHxCAPACITY, e.g. 512x2560 (default: all of SHAPES)"
+        "--shapes", nargs="+", type=shape, help="BATCHxCAPACITY, e.g. 512x2560 (default: SHAPES)"
     )
     args = parser.parse_args()
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
+    shapes = args.shapes or SHAPES
     if args.target:
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
     else:

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger("dflash.train")
@@ -75,20 +76,17 @@ def process_ticks(pid: int) -> int | None:
 
 
 def process_age_s() -> float | None:
-    """Seconds since this process started (its interpreter's start, so imports count), to about
-    a second (/proc/stat's boot time has 1 s resolution); None where /proc is missing."""
-    import time
-
+    """Seconds since this process started, to 0.1 s: its interpreter's start, so imports count
+    (a torchrun worker's own start: the launcher's seconds before it are not; a resumed run's
+    process counts from its own start). None where /proc is missing."""
     try:
-        start_ticks = int(_stat_fields("self")[19])  # field 22, starttime, ticks after boot
-        boot = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-    except (OSError, ValueError, IndexError, StopIteration):
+        start_ticks = int(_stat_fields("self")[19])  # field 22, starttime: ticks after boot
+    except (OSError, ValueError, IndexError):
         return None
-    return time.time() - boot - start_ticks / os.sysconf("SC_CLK_TCK")
+    # starttime counts on the boot clock (suspend included), so read the same clock
+    return round(
+        time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"), 1
+    )
 
 
 def run_pids() -> set[int]:

@@ -72,3 +72,11 @@ def test_a_rank_that_finishes_first_is_dropped_not_counted_as_negative_work():
     time.sleep(1)
     after = other()
     assert during < 0.3 and after < 0.6, (during, after)
+
+
+def test_process_age_counts_from_this_process_start():
+    """The seconds training records as `startup_s`: a fresh interpreter that sleeps 1.5 s reports
+    about that much plus its own start-up, never less."""
+    code = "import time; time.sleep(1.5); from dflash.host import process_age_s; print(process_age_s())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 1.5 <= float(done.stdout) < 30

@@ -3,15 +3,15 @@
 from dflash.eval.report import per_prompt_text
 
 
-def record(ids, sets, drafter, lookup) -> dict:
-    same = [True] * len(ids)
+def record(ids, sets, drafter, lookup, same=None) -> dict:
+    same = same or [True] * len(ids)
     return {
         "per_prompt": {
             "ids": ids,
             "sets": sets,
             "methods": {
                 "drafter": {"tau": drafter, "tokens": [9] * len(ids), "same": same},
-                "lookup": {"tau": lookup, "tokens": [9] * len(ids), "same": same},
+                "lookup": {"tau": lookup, "tokens": [9] * len(ids), "same": [True] * len(ids)},
             },
         }
     }
@@ -19,16 +19,17 @@ def record(ids, sets, drafter, lookup) -> dict:
 
 def test_names_the_turns_where_lookup_wins_and_its_largest_leads():
     acc = record(
-        ["a", "81", "81#turn2", "82", "82#turn2"],
-        ["held_out", "mt_bench", "mt_bench", "mt_bench", "mt_bench"],
-        drafter=[3.0, 2.0, 3.0, 2.5, 4.0],
-        lookup=[1.5, 1.5, 15.0, 2.0, 6.0],
+        ["a", "81", "81#turn2", "82", "82#turn2", "82#turn3", "b"],
+        ["held_out", "mt_bench", "mt_bench", "mt_bench", "mt_bench", "mt_bench", "held_out"],
+        drafter=[3.0, 2.0, 3.0, 2.5, 4.0, 5.0, None],  # b: no verify round, no τ
+        lookup=[1.5, 1.5, 15.0, 2.0, 6.0, 2.0, 1.0],
+        same=[True, True, True, True, False, True, True],  # 82#turn2: the drafter's text parted
     )
     text = per_prompt_text(acc)
-    assert "lookup is ahead on 2 of 5 prompts" in text
+    assert "lookup is ahead on 2 of 6 prompts (on 1 of them both decoded" in text
     # held-out prompts have one turn: only the set with later turns is split by turn
     assert "mt_bench τ macro drafter vs lookup, first turns: 2.25 vs 1.75 (2)" in text
-    assert "later turns: 3.50 vs 10.50 (2)" in text and "held_out τ" not in text
+    assert "later turns: 4.00 vs 7.67 (3)" in text and "held_out τ" not in text
     assert text.endswith("largest leads: 81#turn2 (15.00 vs 3.00), 82#turn2 (6.00 vs 4.00).")
 
 
@@ -37,4 +38,5 @@ def test_says_nothing_without_a_lookup_baseline_or_per_prompt_record():
     acc = record(["a"], ["held_out"], [2.0], [1.0])
     del acc["per_prompt"]["methods"]["lookup"]
     assert per_prompt_text(acc) is None
-    assert per_prompt_text(record(["a"], ["held_out"], [2.0], [1.0])).endswith("0 of 1 prompts.")
+    one = per_prompt_text(record(["a"], ["held_out"], [2.0], [1.0]))
+    assert "ahead on 0 of 1 prompts" in one and "largest leads" not in one

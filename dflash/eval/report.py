@@ -162,13 +162,17 @@ def per_prompt_text(acceptance: dict) -> str | None:
     methods = record.get("methods", {})
     if "lookup" not in methods or "drafter" not in methods:
         return None
+    drafter, lookup = methods["drafter"], methods["lookup"]
+    # (id, set, drafter τ, lookup τ, both decoded the target's own text)
     pairs = [
-        (pid, set_name, d, lk)
-        for pid, set_name, d, lk in zip(
+        (pid, set_name, d, lk, d_same and lk_same)
+        for pid, set_name, d, lk, d_same, lk_same in zip(
             record["ids"],
             record["sets"],
-            methods["drafter"]["tau"],
-            methods["lookup"]["tau"],
+            drafter["tau"],
+            lookup["tau"],
+            drafter["same"],
+            lookup["same"],
             strict=True,
         )
         if d is not None and lk is not None
@@ -176,7 +180,8 @@ def per_prompt_text(acceptance: dict) -> str | None:
     ahead = sorted((p for p in pairs if p[3] > p[2]), key=lambda p: p[2] - p[3])
     text = (
         "**Per prompt** (`per_prompt` in `eval/acceptance.json`): prompt lookup is ahead on "
-        f"{len(ahead)} of {len(pairs)} prompts"
+        f"{len(ahead)} of {len(pairs)} prompts (on {sum(p[4] for p in ahead)} of them both "
+        "decoded the target's own text, so the same text was judged)"
     )
     for set_name in sorted({p[1] for p in pairs if _turn(p[0]) > 1}):
         first = [p for p in pairs if p[1] == set_name and _turn(p[0]) == 1]
@@ -189,7 +194,7 @@ def per_prompt_text(acceptance: dict) -> str | None:
         )
     if ahead:
         text += "; lookup's largest leads: " + ", ".join(
-            f"{pid} ({lk:.2f} vs {d:.2f})" for pid, _, d, lk in ahead[:5]
+            f"{pid} ({lk:.2f} vs {d:.2f})" for pid, _, d, lk, _ in ahead[:5]
         )
     return text + "."
 

@@ -160,8 +160,7 @@ class Trainer:
         }
         self.step, self.epoch, self.position = 0, 0, 0
         self.compile_s: float | None = None  # seconds compile_shapes took (None: compile off)
-        # seconds from this process's start to its first step (imports, loading and compiling)
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # from the process's start to its first step
 
     def _ddp(self, module):
         from torch.nn.parallel import DistributedDataParallel
@@ -256,8 +255,7 @@ class Trainer:
         try:
             if self.config["compile"]["enabled"]:
                 self.compile_shapes()
-            age = process_age_s()
-            self.startup_s = round(age, 1) if age is not None else None
+            self.startup_s = process_age_s()
             log.info("%s: first step %s s after its process started", self.ctx.name, self.startup_s)
             if self.ctx.rank == 0:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
