@@ -49,10 +49,10 @@ def hf_pass(gen, rows, batch_size, max_prompt):
     return out, tokens, time.perf_counter() - started
 
 
-def static_pass(gen, rows, batch_size, max_prompt, attention="sdpa"):
+def static_pass(gen, rows, batch_size, max_prompt, attention="sdpa", overlap=True):
     by_id = {r["id"]: r for r in rows}
     order = [by_id[i] for ids in plan_batches(rows, gen.tokenizer, batch_size) for i in ids]
-    out = {}
+    out, tiers = {}, []
     started = time.perf_counter()
     tokens = regenerate_continuous(
         gen,
@@ -61,9 +61,11 @@ def static_pass(gen, rows, batch_size, max_prompt, attention="sdpa"):
         lambda c: out.__setitem__(c.row["id"], c.result()["turn_token_ids"]),
         batch_size,
         attention=attention,
+        stats=tiers,
+        overlap=overlap,
     )
     _sync()
-    return out, tokens, time.perf_counter() - started
+    return out, tokens, time.perf_counter() - started, tiers
 
 
 def main():
@@ -76,6 +78,11 @@ def main():
     parser.add_argument("--hf-batch-size", type=int, default=128, help="today's h200.yaml")
     parser.add_argument("--static-batch-size", type=int, nargs="+", default=[256])
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "flex"])
+    parser.add_argument(
+        "--overlap", nargs="+", default=["on"], choices=["on", "off"],
+        help="the host's work on a step's tokens beside the next step (on) or after it (off)",
+    )  # fmt: skip
+    parser.add_argument("--skip-hf", action="store_true", help="only the static engine")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -85,32 +92,33 @@ def main():
     results = []
     for dtype in args.dtype:
         gen = Generator(args.target, dtype, args.device, args.max_new_tokens)
-        hf, hf_tokens, hf_s = hf_pass(gen, rows, args.hf_batch_size, args.max_prompt)
-        result = {
-            "dtype": dtype,
-            "device": str(gen.device),
-            "rows": len(rows),
-            "hf": {
+        result = {"dtype": dtype, "device": str(gen.device), "rows": len(rows), "static": []}
+        if not args.skip_hf:
+            hf, hf_tokens, hf_s = hf_pass(gen, rows, args.hf_batch_size, args.max_prompt)
+            result["hf"] = {
                 "batch": args.hf_batch_size,
                 "tokens": hf_tokens,
                 "seconds": round(hf_s, 1),
                 "tokens_per_s": round(hf_tokens / hf_s),
-            },
-            "static": [],
-        }
-        for batch, attention in itertools.product(args.static_batch_size, args.attention):
-            st, st_tokens, st_s = static_pass(gen, rows, batch, args.max_prompt, attention)
-            result["static"].append(
-                {
-                    "batch": batch,
-                    "attention": attention,
-                    "tokens": st_tokens,
-                    "seconds": round(st_s, 1),
-                    "tokens_per_s": round(st_tokens / st_s),
-                    "speedup": round((st_tokens / st_s) / (hf_tokens / hf_s), 2),
-                    "identical_rows": sum(hf[i] == st[i] for i in hf),
-                }
+            }
+        passes = itertools.product(args.static_batch_size, args.attention, args.overlap)
+        for batch, attention, overlap in passes:
+            st, st_tokens, st_s, tiers = static_pass(
+                gen, rows, batch, args.max_prompt, attention, overlap == "on"
             )
+            entry = {
+                "batch": batch,
+                "attention": attention,
+                "overlap": overlap,
+                "tokens": st_tokens,
+                "seconds": round(st_s, 1),
+                "tokens_per_s": round(st_tokens / st_s),
+                "tiers": tiers,
+            }
+            if not args.skip_hf:
+                entry["speedup"] = round((st_tokens / st_s) / (hf_tokens / hf_s), 2)
+                entry["identical_rows"] = sum(hf[i] == st[i] for i in hf)
+            result["static"].append(entry)
         print(json.dumps(result), flush=True)
         results.append(result)
         del gen

@@ -102,15 +102,17 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
         assert row["input_ids"][-len(last) :] == last  # exactly as generated
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+@pytest.mark.parametrize(("attention", "overlap"), [("sdpa", False), ("flex", True)])
 def test_static_engine_regenerates_what_transformers_generate_does(
-    target_dir, tiny_workflow, attention
+    target_dir, tiny_workflow, attention, overlap
 ):
     """fp32 greedy: the refilled static batch gives every turn of every conversation the same
     tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
     refilled), turns in two prompt tiers (two cache sizes), and a turn whose prompt
     fills max_prompt ending its conversation in both; with either decode-step attention (flex
-    reads only each row's live key blocks)."""
+    reads only each row's live key blocks), and with the host's work on a step's tokens run
+    beside the next step (rows finished a step earlier must drop its tokens) or not; the
+    per-tier accounting adds up."""
     from dflash.data.expand import read_rows
     from dflash.data.generation import (
         Generator,
@@ -132,11 +134,16 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     assert sum(c.dropped_turns for c in convs) >= 1
     assert any(len(c.turn_ids) > 1 for c in convs)  # a later turn answered after the first
 
-    got = {}
+    got, stats = {}, []
     tiers = [prompt_lengths[len(rows) // 2], max_prompt]  # two caches, the second larger
     tokens = regenerate_continuous(
         gen, rows, max_prompt, lambda c: got.__setitem__(c.row["id"], c.result()), 3, tiers,
-        attention=attention,
+        attention=attention, stats=stats, overlap=overlap,
     )  # fmt: skip
     assert got == expected
     assert tokens == hf_tokens > 0
+    assert [s["tier"] for s in stats] == tiers
+    assert sum(s["turns"] for s in stats) == sum(len(c.turn_ids) for c in convs)
+    for s in stats:
+        assert 0 < s["busy_rows"] <= 1 and s["steps"] > 0
+        assert s["setup_s"] + s["prefill_s"] + s["wait_s"] <= s["wall_s"] + 0.01

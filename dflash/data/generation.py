@@ -5,8 +5,10 @@ answers, as the target would have held the conversation."""
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -169,6 +171,8 @@ def regenerate_continuous(
     batch: int,
     tiers=None,
     attention: str = "sdpa",
+    stats: list | None = None,
+    overlap: bool = True,
 ):
     """Regenerate the rows through the static engine, `batch` rows at a time, keeping every
     cache row busy: a row whose turn ends takes the same conversation's next turn or the next
@@ -180,7 +184,9 @@ def regenerate_continuous(
     300-token prompt should not pay for a 2,560-row one. The tier is a function of the prompt's
     own length and the batch is fixed, so a row's tokens still depend only on its own prompt.
     A conversation's later turns have longer prompts: they join the same or a later tier.
-    `attention` is the decode step's (`BatchedGreedy`).
+    `attention` is the decode step's (`BatchedGreedy`); `overlap` runs the host's work beside
+    the next step (`_drain`). Where time went, per tier, is appended to `stats`
+    (`TierStats.summary`).
     """
     tiers = tiers or prompt_tiers(max_prompt)
     queues: list[deque] = [deque() for _ in tiers]
@@ -211,25 +217,94 @@ def regenerate_continuous(
     for tier, queue in zip(tiers, queues, strict=True):
         if queue:
             capacity = tier + gen.max_new_tokens
+            started = time.perf_counter()
             engine = BatchedGreedy(gen.model, batch, capacity, tier, attention=attention)
-            _drain(gen, engine, queue, end_turn)
+            tier_stats = TierStats(tier, capacity, setup_s=time.perf_counter() - started)
+            _drain(gen, engine, queue, end_turn, tier_stats, overlap)
+            tier_stats.wall_s = time.perf_counter() - started
+            if stats is not None:
+                stats.append(tier_stats.summary(batch))
             del engine  # its caches and graphs, before the next tier's are allocated
     return n_tokens
 
 
-def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> None:
+@dataclass
+class TierStats:
+    """Where one prompt tier's time went. Both calls return tokens to the host (a sync), so
+    wall-clock seconds around them are the device's; the first prefill and the first step
+    (CUDA-graph capture, flex_attention's compile) count as setup."""
+
+    tier: int
+    capacity: int
+    setup_s: float = 0.0
+    turns: int = 0
+    prefill_calls: int = 0
+    prefill_s: float = 0.0
+    steps: int = 0
+    # waiting for a step's tokens: the device's share once the host's work is overlapped
+    wait_s: float = 0.0
+    busy_row_steps: int = 0
+    wall_s: float = 0.0
+
+    def summary(self, batch: int) -> dict:
+        out = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        busy = out.pop("busy_row_steps")
+        # the share of the decode step's rows that held a sequence: the rest is the tier's
+        # tail (and waits for a full prefill call), decoded for nothing
+        out["busy_rows"] = round(busy / (self.steps * batch), 3) if self.steps else None
+        return out
+
+
+def _drain(
+    gen: Generator,
+    engine: BatchedGreedy,
+    queue: deque,
+    end_turn,
+    stats: TierStats,
+    overlap: bool = True,
+) -> None:
     """Decode the queued (conversation, prompt) turns with every cache row kept busy; a turn
-    ends at a stop token or max_new_tokens (`end_turn` may queue that conversation's next)."""
+    ends at a stop token or max_new_tokens (`end_turn` may queue that conversation's next).
+
+    With `overlap`, step k+1 is launched before step k's tokens are read, so the host's work on
+    them (stop checks, decoding a finished turn, rendering the next turn's prompt) runs while
+    the device computes. A row that finished at step k gets one more token from step k+1; it is
+    dropped, since only rows still holding the turn they held at launch take a step's tokens.
+    Each row's tokens are unchanged: its next input is already on the device."""
     slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
+    freed: list[int] = []  # rows whose turn ended, parked (`release`) before any refill
 
     def settle(slot: int) -> None:
         conv, tokens = slots[slot]
         finished = tokens[-1] in gen.eos_ids
         if finished or len(tokens) >= gen.max_new_tokens:
             slots[slot] = None
+            freed.append(slot)
             end_turn(conv, tokens, finished)
 
-    while queue or any(slots):
+    def take_step(pending, owners) -> None:
+        started = time.perf_counter()
+        tokens = pending.get()
+        waited = time.perf_counter() - started
+        if stats.steps == 0:
+            stats.setup_s += waited  # the first step captures its graph
+        else:
+            stats.wait_s += waited
+        stats.steps += 1
+        stats.busy_row_steps += sum(owner is not None for owner in owners)
+        for slot, token in enumerate(tokens):
+            if slots[slot] is not None and slots[slot] is owners[slot]:
+                slots[slot][1].append(token)
+                settle(slot)
+        release()
+
+    def release() -> None:
+        if freed:
+            engine.release(freed)
+            freed.clear()
+
+    in_flight = None
+    while queue or any(slots) or in_flight:
         free = [slot for slot, busy in enumerate(slots) if busy is None]
         wanted = min(engine.prefill_rows, len(queue))
         # prefill in full calls while sequences are decoding; waiting a few steps for free rows
@@ -237,12 +312,24 @@ def _drain(gen: Generator, engine: BatchedGreedy, queue: deque, end_turn) -> Non
         if free and wanted and (len(free) >= wanted or not any(slots)):
             take = free[:wanted]
             turns = [queue.popleft() for _ in take]
+            started = time.perf_counter()
             firsts = engine.prefill(take, [prompt for _, prompt in turns])
+            seconds = time.perf_counter() - started
+            if stats.prefill_calls == 0:
+                stats.setup_s += seconds
+            else:
+                stats.prefill_s += seconds
+            stats.prefill_calls += 1
+            stats.turns += len(take)
             for slot, (conv, _), token in zip(take, turns, firsts, strict=True):
                 slots[slot] = (conv, [token])
                 settle(slot)
+            release()
             continue
-        for slot, token in enumerate(engine.step()):
-            if slots[slot] is not None:
-                slots[slot][1].append(token)
-                settle(slot)
+        launched = (engine.launch_step(), list(slots)) if any(slots) else None
+        if in_flight is not None:
+            take_step(*in_flight)
+        in_flight = launched
+        if not overlap and in_flight is not None:
+            take_step(*in_flight)
+            in_flight = None

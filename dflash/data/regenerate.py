@@ -111,10 +111,11 @@ def _run_batches(gen, plan, by_id, workdir, max_prompt, progress) -> list[dict]:
     return done
 
 
-def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress) -> list[dict]:
+def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress, tiers) -> list[dict]:
     """The static engine with rows refilled as they finish; finished conversations are saved
     in parts of `batch_size`. A resumed run skips the saved ones (a row's tokens depend only on
-    its own prompt, so the rest come out as in an uninterrupted run)."""
+    its own prompt, so the rest come out as in an uninterrupted run). Each prompt tier's
+    timings are appended to `tiers`."""
     batch_size = params["batch_size"]
     parts = sorted(workdir.glob("done-*.jsonl"))
     done = [r for part in parts for r in _load_part(part) if r["id"] in by_id]
@@ -139,7 +140,7 @@ def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress) -> 
     if todo:
         # the batch is fixed (not cut to what is left) so that every step has the same shape
         regenerate_continuous(
-            gen, todo, max_prompt, on_done, batch_size, attention=params["attention"]
+            gen, todo, max_prompt, on_done, batch_size, attention=params["attention"], stats=tiers
         )
         if pending:
             flush()
@@ -187,8 +188,9 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         bar.update(len(rows_done))
         bar.set_postfix(tok_s=f"{counts['new_tokens'] / (time.perf_counter() - started):.0f}")
 
+    tiers: list[dict] = []
     if static:
-        done = _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress)
+        done = _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress, tiers)
     else:
         done = _run_batches(gen, plan, by_id, workdir, max_prompt, progress)
     bar.close()
@@ -207,6 +209,8 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         "tokens_per_s": round(counts["new_tokens"] / elapsed, 1) if elapsed else None,
     }
     log.info("regenerate: %s", rate)
+    for tier in tiers:  # where the static engine's time went
+        log.info("regenerate: prompt tier %s", tier)
     return rate
 
 

@@ -158,6 +158,22 @@ class CudaGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
 
+class PendingTokens:
+    """A decode step's tokens on their way to the host; `get()` waits for them."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device):
+        self.host = host
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 # Cache rows per flex_attention key block: the decode step reads only the blocks up to each
 # row's own position, instead of the whole cache under a mask.
 KV_BLOCK = 128
@@ -241,6 +257,10 @@ class BatchedGreedy:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.graphs = CudaGraphs(self.device)
+        # two page-locked buffers, so a step's tokens copy to the host while the next one runs
+        pinned = self.device.type == "cuda"
+        self.host_tokens = [torch.empty(batch, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
+        self.launched = 0
 
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> list[int]:
         """Start `prompts` (at most `prefill_rows`, each at most `prompt_width` tokens) in the
@@ -265,10 +285,27 @@ class BatchedGreedy:
 
     def step(self) -> list[int]:
         """The next token of every row (rows without a sequence produce garbage, ignored)."""
+        return self.launch_step().get()
+
+    def release(self, rows: list[int]) -> None:
+        """Park finished rows at position 0 until they are refilled: their (ignored) steps then
+        read one key block under flex, not their old sequence. No host sync (the indices go
+        through page-locked memory), so it can follow a launched step."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        self.positions[index.to(self.device, non_blocking=True)] = 0
+
+    def launch_step(self) -> PendingTokens:
+        """`step` without waiting for it: the device advances every row (its next input stays
+        on the device) while the host goes on; at most two launched steps may be unread."""
         (tokens,) = self.graphs(("step",), self._step, self.tokens, self.positions)
         self.tokens.copy_(tokens)
         self.positions.add_(1).clamp_(max=self.capacity - 1)  # idle rows must stay in bounds
-        return tokens.tolist()
+        host = self.host_tokens[self.launched % 2]
+        self.launched += 1
+        host.copy_(tokens, non_blocking=True)
+        return PendingTokens(host, self.device)
 
     @torch.no_grad()
     def _prefill(self, ids, lengths, targets):
