@@ -75,6 +75,11 @@ def process_ticks(pid: int) -> int | None:
     return sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
 
 
+# What a training process does before its first step, in order (`startup_split_s` in its
+# summary: seconds of each, by `process_age_s` at their ends)
+STARTUP_PHASES = ("imports", "setup", "resume_and_live_view", "compile")
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started, to 0.1 s: its interpreter's start, so imports count
     (a torchrun worker's own start: the launcher's seconds before it are not; a resumed run's

@@ -128,6 +128,7 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "host",
             "compile_s",
             "startup_s",
+            "startup_split_s",
         )
     }
     throughput["tokens_per_s_per_process"] = round((summary.get("tokens_per_s") or 0) / world, 1)

@@ -1,6 +1,7 @@
-"""The summary's per-prompt line, on a hand-made `per_prompt` record of eval/acceptance.json."""
+"""The summary's per-prompt line, on a hand-made `per_prompt` record of eval/acceptance.json, and
+its first-step seconds."""
 
-from dflash.eval.report import per_prompt_text
+from dflash.eval.report import _startup, per_prompt_text
 
 
 def record(ids, sets, drafter, lookup, same=None) -> dict:
@@ -40,3 +41,17 @@ def test_says_nothing_without_a_lookup_baseline_or_per_prompt_record():
     assert per_prompt_text(acc) is None
     one = per_prompt_text(record(["a"], ["held_out"], [2.0], [1.0]))
     assert "ahead on 0 of 1 prompts" in one and "largest leads" not in one
+
+
+def test_first_step_seconds_say_where_they_went():
+    # as read back from JSON: keys sorted, the text keeps the phases' order
+    split = {"compile": 14.1, "imports": 6.2, "resume_and_live_view": 1.1, "setup": 9.4}
+    text = _startup({"startup_s": 30.8, "compile_s": 14.1, "startup_split_s": split})
+    assert text == (
+        "; first step 31 s after the process started (imports 6.2 s, setup 9.4 s, "
+        "resume and live view 1.1 s, compile 14.1 s)"
+    )
+    # a summary from before the split still reads
+    old = _startup({"startup_s": 30.8, "compile_s": 14.1})
+    assert old == "; first step 31 s after the process started, 14 s of it compiling"
+    assert _startup({}) == ""

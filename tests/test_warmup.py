@@ -99,6 +99,12 @@ def test_training_finds_every_graph_the_warmup_compiled(cold, tiny_workflow, tmp
     summary = json.loads((tmp_path / "s.json").read_text())
     assert isinstance(summary["compile_s"], float)
     assert summary["compile_s"] < summary["startup_s"] < 300
+    # and where those seconds went, in order, adding up to them
+    split = summary["startup_split_s"]
+    assert sorted(split) == sorted(["imports", "setup", "resume_and_live_view", "compile"])
+    assert all(v >= 0 for v in split.values()) and split["imports"] > 0
+    assert abs(sum(split.values()) - summary["startup_s"]) < 0.3
+    assert abs(split["compile"] - summary["compile_s"]) < 0.3
 
 
 def test_disabled_compile_is_a_recorded_no_op(tiny_workflow):

@@ -11,7 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
-from dflash.host import describe_host
+from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
 
 PLOTS = ("acceptance", "rates", "ddtree", "training", "throughput", "lengths")
@@ -205,6 +205,9 @@ def _startup(train_summary: dict) -> str:
     if startup is None:
         return ""
     compiling = f", {compiled:.0f} s of it compiling" if compiled is not None else ""
+    if split := train_summary.get("startup_split_s"):
+        parts = [f"{k.replace('_', ' ')} {split[k]:.1f} s" for k in STARTUP_PHASES if k in split]
+        compiling = " (" + ", ".join(parts) + ")"
     return f"; first step {startup:.0f} s after the process started{compiling}"
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.host import describe_host
+from dflash.host import STARTUP_PHASES, describe_host, process_age_s
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 from dflash.model.drafter import save_drafter
@@ -67,13 +67,25 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
     sender.drain()
 
 
+def startup_split(imported_s, built_s, trainer) -> dict | None:
+    """Where the seconds before the first step went: the interpreter and imports; the process
+    group, data plan, target and drafter; resuming and the live view (MLflow); the compile pass
+    (None where /proc is missing)."""
+    marks = (imported_s, built_s, trainer.ready_s, trainer.startup_s)
+    if None in marks:
+        return None
+    starts = (0.0, *marks[:-1])
+    return {n: round(b - a, 1) for n, a, b in zip(STARTUP_PHASES, starts, marks, strict=True)}
+
+
 def run(args) -> None:
+    imported_s = process_age_s()  # this process's seconds so far: the interpreter and imports
     config = args.config
     t = config["train"]
     topology = Topology(**t["topology"])
     ctx = comm.init(topology, t["device"], t["timeout_s"], t["startup_timeout_s"])
     try:
-        _run(ctx, args)
+        _run(ctx, args, imported_s)
     except comm.PeerError as e:
         if ctx.distributed:
             # Exit now: with a peer gone, NCCL teardown would wait on the unfinished p2p op.
@@ -85,7 +97,7 @@ def run(args) -> None:
     ctx.close()
 
 
-def _run(ctx: comm.Dist, args) -> None:
+def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
     config = args.config
     batches = Batches(config, args.data)
     args.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -93,6 +105,7 @@ def _run(ctx: comm.Dist, args) -> None:
         serve_features(ctx, config, args.target, batches, args.checkpoints)
         return
     trainer = Trainer(ctx, config, args.target, batches, args.checkpoints, args.held_out)
+    built_s = process_age_s()
     trainer.fit()
     if ctx.rank != 0:
         return
@@ -105,6 +118,7 @@ def _run(ctx: comm.Dist, args) -> None:
     summary["compile_s"] = trainer.compile_s
     # from the process's start to its first step: imports, loading and the compile pass
     summary["startup_s"] = trainer.startup_s
+    summary["startup_split_s"] = startup_split(imported_s, built_s, trainer)
     # whether this rank's target features ran compiled (None: features came from target ranks)
     summary["target_compiled"] = trainer.target.compiled if trainer.target else None
     log.info("throughput: %s", summary.get("verdict", "no steps"))

@@ -161,6 +161,7 @@ class Trainer:
         self.step, self.epoch, self.position = 0, 0, 0
         self.compile_s: float | None = None  # seconds compile_shapes took (None: compile off)
         self.startup_s: float | None = None  # from the process's start to its first step
+        self.ready_s: float | None = None  # the same clock, once resumed, before compiling
 
     def _ddp(self, module):
         from torch.nn.parallel import DistributedDataParallel
@@ -251,6 +252,7 @@ class Trainer:
         if self.ctx.rank == 0:  # before compiling: a misconfigured live view fails at once
             keep_metrics_upto(live, self.step)
             self.board = Board(self.run, self.step, self.config)
+        self.ready_s = process_age_s()
         failed = True
         try:
             if self.config["compile"]["enabled"]:
