@@ -241,7 +241,8 @@ class TierStats:
     prefill_calls: int = 0
     prefill_s: float = 0.0
     steps: int = 0
-    # waiting for a step's tokens: the device's share once the host's work is overlapped
+    # waiting for a step's tokens (or, before a prefill, for the step in flight): the device's
+    # share once the host's work is overlapped
     wait_s: float = 0.0
     busy_row_steps: int = 0
     wall_s: float = 0.0
@@ -272,7 +273,7 @@ def _drain(
     dropped, since only rows still holding the turn they held at launch take a step's tokens.
     Each row's tokens are unchanged: its next input is already on the device."""
     slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
-    freed: list[int] = []  # rows whose turn ended, parked (`release`) before any refill
+    freed: list[int] = []  # rows whose turn ended, sent back to 0 (`release`) before any refill
 
     def settle(slot: int) -> None:
         conv, tokens = slots[slot]
@@ -291,9 +292,9 @@ def _drain(
         else:
             stats.wait_s += waited
         stats.steps += 1
-        stats.busy_row_steps += sum(owner is not None for owner in owners)
         for slot, token in enumerate(tokens):
             if slots[slot] is not None and slots[slot] is owners[slot]:
+                stats.busy_row_steps += 1  # a row whose token counts
                 slots[slot][1].append(token)
                 settle(slot)
         release()
@@ -313,6 +314,10 @@ def _drain(
             take = free[:wanted]
             turns = [queue.popleft() for _ in take]
             started = time.perf_counter()
+            if in_flight is not None:  # the prefill would wait for it: count that as waiting
+                in_flight[0].wait()
+                stats.wait_s += time.perf_counter() - started
+                started = time.perf_counter()
             firsts = engine.prefill(take, [prompt for _, prompt in turns])
             seconds = time.perf_counter() - started
             if stats.prefill_calls == 0:
@@ -326,7 +331,12 @@ def _drain(
                 settle(slot)
             release()
             continue
-        launched = (engine.launch_step(), list(slots)) if any(slots) else None
+        launched = None
+        if any(slots):
+            first, started = engine.launched == 0, time.perf_counter()
+            launched = (engine.launch_step(), list(slots))
+            if first:  # captures the step's CUDA graph (and compiles flex_attention)
+                stats.setup_s += time.perf_counter() - started
         if in_flight is not None:
             take_step(*in_flight)
         in_flight = launched

@@ -168,9 +168,12 @@ class PendingTokens:
             self.event = torch.cuda.Event()
             self.event.record()
 
-    def get(self) -> list[int]:
+    def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+    def get(self) -> list[int]:
+        self.wait()
         return self.host.tolist()
 
 
@@ -288,8 +291,8 @@ class BatchedGreedy:
         return self.launch_step().get()
 
     def release(self, rows: list[int]) -> None:
-        """Park finished rows at position 0 until they are refilled: their (ignored) steps then
-        read one key block under flex, not their old sequence. No host sync (the indices go
+        """Send finished rows back to position 0 until they are refilled: their (ignored) steps
+        then read from the cache's first key blocks under flex, not past their old sequence. No host sync (the indices go
         through page-locked memory), so it can follow a launched step."""
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":
