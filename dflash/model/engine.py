@@ -292,8 +292,8 @@ class BatchedGreedy:
 
     def release(self, rows: list[int]) -> None:
         """Send finished rows back to position 0 until they are refilled: their (ignored) steps
-        then read from the cache's first key blocks under flex, not past their old sequence. No host sync (the indices go
-        through page-locked memory), so it can follow a launched step."""
+        then read the cache's first key blocks under flex, not past their old sequence. No host
+        sync (the indices go through page-locked memory), so it can follow a launched step."""
         index = torch.tensor(rows, dtype=torch.long)
         if self.device.type == "cuda":
             index = index.pin_memory()
