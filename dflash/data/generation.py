@@ -230,9 +230,10 @@ def regenerate_continuous(
 
 @dataclass
 class TierStats:
-    """Where one prompt tier's time went. Both calls return tokens to the host (a sync), so
-    wall-clock seconds around them are the device's; the first prefill and the first step
-    (CUDA-graph capture, flex_attention's compile) count as setup."""
+    """Where one prompt tier's time went. A prefill returns its tokens to the host (a sync) and
+    reading a step's tokens waits for the device, so the seconds around them are the device's;
+    the host's own work runs beside a launched step and is the rest of `wall_s`. The first
+    prefill and the first step (CUDA-graph capture, flex_attention's compile) count as setup."""
 
     tier: int
     capacity: int
