@@ -147,7 +147,7 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
 
 def eval_summary(acceptance: dict, ddtree: dict) -> dict:
     methods = {"drafter": acceptance, **acceptance["baselines"]}
-    trees = {str(r["budget"]): r for r in ddtree["results"]}
+    trees = {f"{r['budget']}{'+lookup' if r.get('lookup') else ''}": r for r in ddtree["results"]}
     return {
         "quality": {
             "tau_macro": {name: m["tau_macro"] for name, m in methods.items()},

@@ -16,6 +16,7 @@ from dflash.eval.ddtree import (
     tree_attention_mask,
     tree_positions,
     walk,
+    with_path,
 )
 
 
@@ -204,3 +205,22 @@ def test_tree_forward_matches_sequential_hf(attn):
         committed = [root, *(int(tree.tokens[i]) for i in path), bonus]
         ref = model(input_ids=torch.cat([prefix, torch.tensor([committed])], 1)).logits[0, -1]
         torch.testing.assert_close(nxt, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_lookup_branch_reuses_the_nodes_it_shares_and_walks_like_any_branch():
+    """with_path adds prompt lookup's continuation to a drafter tree: shared prefixes are not
+    duplicated, new nodes follow their parents, and the target's greedy walk takes whichever
+    branch it agrees with further."""
+    tree = chain_tree(7, [1, 2, 3])
+    both = with_path(tree, [1, 5, 6])  # shares the first draft, then branches off
+    assert paths_of(both) == [(), (1,), (1, 2), (1, 2, 3), (1, 5), (1, 5, 6)]
+    assert both.parents.tolist() == [-1, 0, 1, 2, 1, 4]
+    assert both.depths.tolist() == [0, 1, 2, 3, 2, 3]
+    assert all(p < i for i, p in enumerate(both.parents.tolist()))
+    assert paths_of(with_path(tree, [1, 2])) == paths_of(tree)  # nothing new: unchanged
+    assert paths_of(with_path(tree, [])) == paths_of(tree)
+    # the target's next token after each node (root first): it follows the lookup branch
+    target_next = torch.tensor([1, 5, 9, 9, 6, 8])
+    path, bonus = walk(both, target_next)
+    assert path == [1, 4, 5] and bonus == 8
+    assert accepted_tokens(both, path, bonus) == [1, 5, 6, 8]

@@ -14,6 +14,7 @@ from dflash.eval.decode import (
     generate,
     generate_tree,
 )
+from dflash.eval.run import LookupProposer
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.engine import StaticTarget
 from dflash.model.objective import full_attend
@@ -150,12 +151,13 @@ def test_generation_stops_at_eos(target, drafter):
 
 
 class TreeOracle(Proposer):
-    """Drafter logits that put the target's greedy continuation first at every depth."""
+    """Drafter logits that put the target's greedy continuation first at every depth (`wrong`:
+    a token the target never takes there)."""
 
     block_size = BLOCK
 
-    def __init__(self, continuation, prompt_len):
-        self.cont, self.prompt_len = continuation, prompt_len
+    def __init__(self, continuation, prompt_len, wrong=False):
+        self.cont, self.prompt_len, self.shift = continuation, prompt_len, int(wrong)
 
     def start(self, prompt, features, capacity):
         self.seen, self.session = 0, self
@@ -165,7 +167,7 @@ class TreeOracle(Proposer):
         done = self.seen - self.prompt_len
         truth = self.cont[1 + done : done + BLOCK]
         logits = torch.zeros(BLOCK - 1, VOCAB)
-        logits[range(len(truth)), truth] = 10.0
+        logits[range(len(truth)), [(t + self.shift) % VOCAB for t in truth]] = 10.0
         return logits
 
 
@@ -260,3 +262,30 @@ def test_cuda_graph_decoding_equals_transformers_decoding_on_gpu(target, drafter
         assert static.graphs.enabled and static.graphs.graphs  # really replayed graphs
     finally:
         target.to("cpu"), drafter.to("cpu")
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_a_lookup_branch_beside_the_drafter_is_lossless(target, drafter, kind, budget):
+    for prompt in [*PROMPTS, [4, 8, 15, 16, 23, 42] * 3]:
+        reference = greedy(target, drafter, prompt)
+        s = session(target, drafter, kind)
+        out = generate_tree(s, proposer(target, drafter), prompt, 40, set(), budget, 4, True)
+        assert out.tokens == reference.tokens
+        assert all(1 <= a <= BLOCK for a in out.accepted)
+
+
+def test_a_lookup_branch_accepts_whichever_branch_the_target_follows(target, drafter):
+    """Beside a drafter that is always wrong, every round accepts what prompt lookup alone
+    would; beside a perfect one, what the drafter alone would (B per round)."""
+    prompt = [4, 8, 15, 16, 23, 42] * 3
+    reference = greedy(target, drafter, prompt, 40).tokens
+    alone = generate(session(target, drafter), LookupProposer(BLOCK), prompt, 40, set())
+    assert max(alone.accepted) > 1  # the target repeats itself: lookup has something to win
+    wrong = TreeOracle(reference, len(prompt), wrong=True)
+    out = generate_tree(session(target, drafter), wrong, prompt, 40, set(), None, 1, True)
+    assert out.tokens == reference and out.accepted == alone.accepted
+    perfect = TreeOracle(reference, len(prompt))
+    out = generate_tree(
+        session(target, drafter), perfect, prompt, 1 + 5 * BLOCK, set(), None, 1, True
+    )
+    assert out.accepted == [BLOCK] * 5

@@ -272,7 +272,8 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     flow.run("all")
     acc = json.loads((flow.results / "eval/acceptance.json").read_text())
     assert acc["lossless"] == 1.0 and acc["n_prompts"] == 2 and acc["block_size"] == 8
-    assert set(acc["baselines"]) == {"target", "lookup", "untrained"}
+    assert set(acc["baselines"]) == {"target", "lookup", "untrained", "drafter+lookup"}
+    assert acc["baselines"]["drafter+lookup"]["lossless"] == 1.0  # the lookup branch is exact too
     assert acc["baselines"]["target"]["tau_macro"] == 1.0  # no drafts: one token per forward
     assert len(acc["reference_sha256"]) == 64  # the text every method was judged on
     assert 1.0 <= acc["tau_macro"] <= 8.0 and acc["teacher_forced_tau"] >= 1.0
@@ -284,6 +285,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
         "lookup",
         "untrained",
         "drafter",
+        "drafter+lookup",
     }
     drafter = prompts["methods"]["drafter"]
     assert all(drafter["same"])  # float32: every method decodes the target's own tokens
@@ -297,6 +299,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     summary = (flow.results / "summary.md").read_text()
     assert f"τ = {acc['tau_macro']:.3f} (macro" in summary
     assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary
+    assert "| drafter + lookup branch |" in summary
     assert "**Per prompt**" in summary and "of 2 prompts" in summary  # where lookup wins
     assert "s after the process started" in summary
     assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
@@ -322,7 +325,8 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
     flow = tiny_workflow
     flow.run("all")
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
-    config["eval"] |= {"baselines": ["lookup"], "ddtree": {"budgets": [4], "max_prompts": 1}}
+    config["eval"] |= {"baselines": ["lookup"], "with_lookup": False}
+    config["eval"]["ddtree"] = {"budgets": [4], "max_prompts": 1, "with_lookup": True}
     config["eval"]["dtype"] = "bfloat16"  # as a serving engine decodes: near ties forgiven
     r = flow.results
     common = ["--config", json.dumps(config), "--target", str(r / "target/hf")]
@@ -341,7 +345,10 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
     assert set(acc["baselines"]) == {"target", "lookup"} and acc["n_prompts"] == 2
     assert acc["dtype"] == "bfloat16" and isinstance(acc["near_ties"], dict)
     tree = json.loads((tmp_path / "ddtree.json").read_text())
-    assert tree["n_prompts"] == 1 and [r["budget"] for r in tree["results"]] == [7, 4]
+    assert tree["n_prompts"] == 1 and [r["budget"] for r in tree["results"]] == [7, 4, 4]
+    assert [r["method"] for r in tree["results"]] == ["chain", "tree-4", "tree-4+lookup"]
+    assert [r["lookup"] for r in tree["results"]] == [False, False, True]
+    assert tree["lossless"] == 1.0
     text = summary_text(
         *(json.loads((r / f).read_text()) for f in ("data/stats/stats.json", "train/summary.json")),
         [json.loads(x) for x in (r / "train/metrics.jsonl").read_text().splitlines()],
@@ -349,3 +356,4 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
         tree,
     )
     assert "prompt lookup" in text and "untrained" not in text and "(bfloat16; " in text
+    assert "4 nodes + lookup τ" in text and "drafter + lookup" not in text

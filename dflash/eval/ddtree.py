@@ -98,6 +98,28 @@ def chain_tree(root_token: int, draft_tokens: list[int] | Tensor) -> DraftTree:
     return _tree([root_token, *draft], list(range(-1, n)), list(range(n + 1)), [0.0] * (n + 1))
 
 
+def with_path(tree: DraftTree, path_tokens: list[int]) -> DraftTree:
+    """`tree` with the chain `path_tokens` below its root added as one more branch (prompt
+    lookup's continuation beside the drafter's): nodes the tree already has along it are reused,
+    the rest go after them, so parents still come before children and siblings stay distinct."""
+    tokens, parents, depths, scores = (
+        t.tolist() for t in (tree.tokens, tree.parents, tree.depths, tree.scores)
+    )
+    children = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    node = 0
+    for token in map(int, path_tokens):
+        child = children.get((node, token))
+        if child is None:
+            child = len(tokens)
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            scores.append(scores[node])  # no drafter score of its own; best-first is done
+            children[(node, token)] = child
+        node = child
+    return _tree(tokens, parents, depths, scores)
+
+
 def tree_attention_mask(tree: DraftTree, prefix_len: int) -> Tensor:
     """Bool (n+1, prefix_len+n+1): True where node i may attend key j."""
     m, dev = tree.tokens.numel(), tree.parents.device

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.eval import ddtree
+from dflash.eval.lookup import prompt_lookup_draft
 from dflash.model.decoder import supports_static
 from dflash.model.drafter import Drafter
 from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget
@@ -343,19 +344,33 @@ def generate_tree(
     prompt: list[int],
     max_new_tokens: int,
     eos_ids: set[int],
-    budget: int,
-    topk: int,
+    budget: int | None,
+    topk: int = 8,
+    lookup: bool = False,
 ) -> Generation:
     """DDTree: `generate` with a best-first tree of `budget` drafts from one drafter pass,
-    verified in one target forward under an ancestor-only mask (see `dflash.eval.ddtree`)."""
-    first, pending, started = _start(target, proposer, prompt, max_new_tokens, budget + 1)
+    verified in one target forward under an ancestor-only mask (see `dflash.eval.ddtree`).
+
+    `budget` None: the drafter's chain (its argmax per position) is the tree. `lookup`: prompt
+    lookup's continuation joins the tree as one more branch (up to B-1 nodes more), so a round
+    accepts whichever of the two the target follows further, at no cost in exactness.
+    """
+    bsz = proposer.block_size
+    extra = (budget or bsz - 1) + (bsz - 1 if lookup else 0) + 1
+    first, pending, started = _start(target, proposer, prompt, max_new_tokens, extra)
     committed = [*prompt, first]
     gen = Generation(tokens=[first])
     done = first in eos_ids or max_new_tokens <= 1
     while not done:
         room = max_new_tokens - len(gen.tokens)
-        logits = proposer.session.draft_logits(committed[-1], pending)
-        tree = ddtree.build_tree(committed[-1], logits.float(), budget, topk)
+        root = committed[-1]
+        logits = proposer.session.draft_logits(root, pending)
+        if budget is None:
+            tree = ddtree.chain_tree(root, logits.argmax(-1).tolist())
+        else:
+            tree = ddtree.build_tree(root, logits.float(), budget, topk)
+        if lookup:
+            tree = ddtree.with_path(tree, prompt_lookup_draft(committed, bsz - 1))
         prefix = len(committed) - 1
         verified, features = target.forward_tree(tree, prefix)
         path, bonus = ddtree.walk(tree, verified.cpu())

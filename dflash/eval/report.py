@@ -66,10 +66,20 @@ def _plots(folder: Path, stats, metrics, acceptance, ddtree) -> None:
     save(fig, "rates")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    rows = sorted(ddtree["results"], key=lambda r: r["budget"])
-    ax.plot([r["budget"] for r in rows], [r["tau_macro"] for r in rows], marker="o")
-    for r in rows:
-        ax.annotate(f"{r['speedup']:.2f}x", (r["budget"], r["tau_macro"]))
+    for lookup in (False, True):
+        rows = sorted(
+            (r for r in ddtree["results"] if r.get("lookup", False) == lookup),
+            key=lambda r: r["budget"],
+        )
+        if not rows:
+            continue
+        label = "drafter tree + lookup branch" if lookup else "drafter tree"
+        ax.plot(
+            [r["budget"] for r in rows], [r["tau_macro"] for r in rows], marker="o", label=label
+        )
+        for r in rows:
+            ax.annotate(f"{r['speedup']:.2f}x", (r["budget"], r["tau_macro"]))
+    ax.legend()
     ax.set(
         xscale="log",
         xlabel="draft nodes verified per forward",
@@ -246,7 +256,12 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         "| method | τ macro | τ pooled | tokens/s | speedup | lossless |",
         "|---|---|---|---|---|---|",
     ]
-    names = {"untrained": "untrained drafter", "lookup": "prompt lookup", "target": "target only"}
+    names = {
+        "drafter+lookup": "drafter + lookup branch",
+        "untrained": "untrained drafter",
+        "lookup": "prompt lookup",
+        "target": "target only",
+    }
     rows = [("trained drafter", acceptance)]
     rows += [(label, b[key]) for key, label in names.items() if key in b]
     for name, m in rows:
@@ -255,25 +270,32 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         )
     sets = acceptance["sets"]
     if len(sets) > 1:
-        lookup = acceptance.get("baseline_sets", {}).get("lookup", {})
-        lines += ["", "| eval set | prompts | drafter τ macro | pooled | lookup τ macro | pooled |"]
-        lines.append("|---|---|---|---|---|---|")
-        for name, m in sets.items():
-            lk = lookup.get(name)
-            lines.append(
-                f"| {name} | {m['n_prompts']} | {_tau(m)} | {_tau(lk) if lk else '– | –'} |"
-            )
-    lk = b.get("lookup")
-    behind = [k for k in ("tau_macro", "tau_pooled") if lk and acceptance[k] <= lk[k]]
-    if behind:
+        per_set = acceptance.get("baseline_sets", {})
+        others = [k for k in ("lookup", "drafter+lookup") if k in per_set]
         lines += [
             "",
-            "**Finding:** the trained drafter does not beat prompt lookup ("
-            + ", ".join(
-                f"{k.removeprefix('tau_')} τ {acceptance[k]:.3f} vs {lk[k]:.3f}" for k in behind
-            )
-            + ").",
+            "| eval set | prompts | drafter τ macro | pooled | "
+            + " | ".join(f"{names[k]} τ macro | pooled" for k in others)
+            + " |",
+            "|---|---|---|---|" + "---|---|" * len(others),
         ]
+        for name, m in sets.items():
+            cells = [_tau(per_set[k][name]) if name in per_set[k] else "– | –" for k in others]
+            lines.append(f"| {name} | {m['n_prompts']} | {_tau(m)} | {' | '.join(cells)} |")
+    lk = b.get("lookup")
+    for key, label in (
+        ("drafter", "the trained drafter"),
+        ("drafter+lookup", names["drafter+lookup"]),
+    ):
+        m = acceptance if key == "drafter" else b.get(key)
+        behind = [k for k in ("tau_macro", "tau_pooled") if lk and m and m[k] <= lk[k]]
+        if behind:
+            lines += [
+                "",
+                f"**Finding:** {label} does not beat prompt lookup ("
+                + ", ".join(f"{k.removeprefix('tau_')} τ {m[k]:.3f} vs {lk[k]:.3f}" for k in behind)
+                + ").",
+            ]
     wins = per_prompt_text(acceptance)
     if wins:
         lines += ["", wins]
@@ -288,8 +310,8 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         "",
         f"**DDTree** (top-{ddtree['topk']} per position): "
         + ", ".join(
-            f"{'chain of ' if r['method'] == 'chain' else ''}{r['budget']} nodes "
-            f"τ {r['tau_macro']:.2f} ({r['speedup']:.2f}x)"
+            f"{'chain of ' if r['method'] == 'chain' else ''}{r['budget']} nodes"
+            f"{' + lookup' if r.get('lookup') else ''} τ {r['tau_macro']:.2f} ({r['speedup']:.2f}x)"
             for r in ddtree["results"]
         )
         + f"; best speedup {best_tree['speedup']:.2f}x ({best_tree['method']}).",

@@ -3,8 +3,11 @@
 Methods, all decoded by the same loop on the same prompts: `target` (no drafts: plain greedy, the
 reference every other output must equal token for token, and the speed baseline), the baselines
 of `eval.baselines`: `lookup` (prompt lookup, no model) and `untrained` (the drafter as
-initialised before training), and `drafter` (the trained one, loaded from its exported HF
-directory, as a serving engine would). Prompts with
+initialised before training), `drafter` (the trained one, loaded from its exported HF
+directory, as a serving engine would) and, with `eval.with_lookup`, `drafter+lookup`: each round
+verifies the drafter's block and prompt lookup's continuation as two branches of one tree and
+accepts the longer, as engines that mix n-gram and model drafts do (lossless like the rest; it
+costs up to B-1 more verified tokens per round). Prompts with
 later turns (MT-Bench) are asked again after the target's own answer, as the public DFlash
 benchmark does. The headline τ is `tau_macro` (the mean over prompts of each prompt's mean
 acceptance, what the public DFlash benchmark reports); `tau_pooled` stays beside it.
@@ -38,7 +41,14 @@ import torch
 
 from dflash.config import expand_user
 from dflash.errors import UserError
-from dflash.eval.decode import DrafterProposer, Generation, Proposer, generate, target_session
+from dflash.eval.decode import (
+    DrafterProposer,
+    Generation,
+    Proposer,
+    generate,
+    generate_tree,
+    target_session,
+)
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.lossless import divergence, judge
 from dflash.eval.metrics import acceptance
@@ -53,6 +63,11 @@ from dflash.model.step import resolve_device
 from dflash.model.target import load_target
 
 log = logging.getLogger(__name__)
+
+
+# The drafter's chain and prompt lookup's continuation verified together as two branches of one
+# tree: the round accepts the longer (`generate_tree`, `eval.with_lookup`).
+WITH_LOOKUP = "drafter+lookup"
 
 
 class LookupProposer(Proposer):
@@ -191,6 +206,20 @@ class Setup:
         _log(name, gens)
         return gens
 
+    def decode_tree(
+        self, name: str, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool
+    ) -> list[Generation]:
+        """Every prompt decoded with a draft tree (`generate_tree`): DDTree of `budget` nodes, or
+        the drafter's chain (None); `lookup` adds prompt lookup's continuation as a branch."""
+        gens = [
+            generate_tree(
+                self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup
+            )
+            for ids in self.encoded
+        ]
+        _log(name, gens)
+        return gens
+
 
 def tokens_sha256(gens: list[Generation]) -> str:
     """sha256 of the generated tokens of every prompt, in order."""
@@ -279,6 +308,8 @@ def run(args) -> None:
         methods["untrained"] = DrafterProposer(untrained, setup.embed, setup.head)
     methods["drafter"] = DrafterProposer(setup.drafter, setup.embed, setup.head)
     gens |= {name: setup.decode(name, proposer) for name, proposer in methods.items()}
+    if config["eval"]["with_lookup"]:
+        gens[WITH_LOOKUP] = setup.decode_tree(WITH_LOOKUP, methods["drafter"], None, 1, True)
     results = {
         name: summarize(setup.prompts, gs, setup.block_size, gens["target"])
         for name, gs in gens.items()
@@ -330,21 +361,17 @@ def run(args) -> None:
 
 def run_ddtree(args) -> None:
     """results/eval/ddtree.json: τ and speedup of tree drafting by node budget (and the chain)."""
-    from dflash.eval.decode import generate_tree
-
     tree_cfg = args.config["eval"]["ddtree"]
     setup = Setup(args, tree_cfg["max_prompts"])
     proposer = DrafterProposer(setup.drafter, setup.embed, setup.head)
     gens = {"target": setup.reference(), "chain": setup.decode("chain", proposer)}
-    for budget in tree_cfg["budgets"]:
-        name = f"tree-{budget}"
-        gens[name] = [
-            generate_tree(
-                setup.session, proposer, ids, setup.max_new, setup.stop, budget, tree_cfg["topk"]
-            )
-            for ids in setup.encoded
-        ]
-        _log(name, gens[name])
+    budgets = {f"tree-{b}": b for b in tree_cfg["budgets"]}
+    variants = [(name, b, False) for name, b in budgets.items()]
+    if tree_cfg["with_lookup"]:
+        budgets |= {f"{name}+lookup": b for name, b in budgets.items()}
+        variants += [(f"{name}+lookup", b, True) for name, b, _ in variants]
+    for name, budget, lookup in variants:
+        gens[name] = setup.decode_tree(name, proposer, budget, tree_cfg["topk"], lookup)
     base = summarize(setup.prompts, gens["target"], setup.block_size, gens["target"])
     rows = []
     for name, gs in gens.items():
@@ -355,9 +382,8 @@ def run_ddtree(args) -> None:
         rows.append(
             {
                 "method": name,
-                "budget": int(name.split("-")[1])
-                if name.startswith("tree")
-                else setup.block_size - 1,
+                "budget": budgets.get(name, setup.block_size - 1),
+                "lookup": name.endswith("+lookup"),
                 "tau_macro": overall["tau_macro"],
                 "tau_pooled": overall["tau_pooled"],
                 "tokens_per_s": overall["tokens_per_s"],
