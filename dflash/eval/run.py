@@ -365,11 +365,10 @@ def run_ddtree(args) -> None:
     setup = Setup(args, tree_cfg["max_prompts"])
     proposer = DrafterProposer(setup.drafter, setup.embed, setup.head)
     gens = {"target": setup.reference(), "chain": setup.decode("chain", proposer)}
-    budgets = {f"tree-{b}": b for b in tree_cfg["budgets"]}
-    variants = [(name, b, False) for name, b in budgets.items()]
+    variants = [(f"tree-{b}", b, False) for b in tree_cfg["budgets"]]
     if tree_cfg["with_lookup"]:
-        budgets |= {f"{name}+lookup": b for name, b in budgets.items()}
         variants += [(f"{name}+lookup", b, True) for name, b, _ in variants]
+    budgets = {name: b for name, b, _ in variants}
     for name, budget, lookup in variants:
         gens[name] = setup.decode_tree(name, proposer, budget, tree_cfg["topk"], lookup)
     base = summarize(setup.prompts, gens["target"], setup.block_size, gens["target"])
