@@ -139,7 +139,10 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "steps": last.get("step", 0),
             "loss": last.get("loss"),
             "tau": last.get("tau"),
-            "tau_sim": next((m["tau_sim"] for m in reversed(metrics) if "tau_sim" in m), None),
+            **{
+                key: next((m[key] for m in reversed(metrics) if key in m), None)
+                for key in ("tau_sim", "tau_sim_first")
+            },
         },
         "throughput": throughput,
     }

@@ -8,7 +8,7 @@ from dflash.eval.decode import DrafterProposer, Proposer, StaticSession, generat
 from dflash.eval.predicted import full_features
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
-from dflash.model.tau_sim import response_spans, simulate, tau_macro, walk
+from dflash.model.tau_sim import capped, response_spans, simulate, tau_macro, walk
 
 VOCAB, BLOCK = 64, 4
 
@@ -30,6 +30,19 @@ def test_response_spans():
 def test_walk_jumps_by_accepted_plus_one_and_stops_at_the_last_token(matches, first, last, rounds):
     assert walk(matches, first, last) == rounds
     assert sum(rounds) == last - first
+
+
+@pytest.mark.parametrize(
+    ("rounds", "max_new_tokens", "kept"),
+    [
+        ([4, 3, 1], 9, [4, 3, 1]),  # 8 committed after the prompt's token: nothing to cut
+        ([4, 3, 1], 6, [4, 1]),  # the round that crosses the cap counts up to it
+        ([4, 3, 1], 5, [4]),
+        ([4, 3, 1], 1, []),  # the prompt's forward gives the only token
+    ],
+)
+def test_capped_keeps_the_rounds_decoding_would_run_under_a_cap(rounds, max_new_tokens, kept):
+    assert capped(rounds, max_new_tokens) == kept
 
 
 def test_tau_macro_means_per_response_then_over_responses():
@@ -96,3 +109,9 @@ def test_max_new_tokens_caps_the_walk_like_decoding(target):
     feats = full_features(target, ids, [2])
     row = (feats, torch.tensor(ids), torch.tensor(mask))
     assert simulate(drafter, embed, head, [row], max_new_tokens=25) == [real.accepted]
+    (whole,) = simulate(drafter, embed, head, [row])  # training cuts the whole walk instead
+    assert capped(whole, 25) == real.accepted and len(whole) > len(real.accepted)
+    # a one-token answer has nothing to draft: an empty walk keeps the next answer in its place
+    two = torch.tensor([0] * len(PROMPT) + [1] + [0] * 3 + [1] * (len(reference) - 4))
+    first, second = simulate(drafter, embed, head, [(feats, torch.tensor(ids), two)])
+    assert first == [] and sum(second) == len(reference) - 5

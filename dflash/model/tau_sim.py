@@ -106,7 +106,8 @@ def simulate(
     max_new_tokens: int | None = None,
     autocast: torch.dtype | None = None,
 ) -> list[list[int]]:
-    """Rounds (tokens committed per target forward) of every response in `rows`.
+    """Rounds (tokens committed per target forward) of every response in `rows`, in order (an
+    empty list for a response with nothing to draft).
 
     rows: (features (1, s, n*H), input_ids (s,), loss_mask (s,)) per conversation; each assistant
     turn (a run of trainable tokens) is one response, decoded after the context before it.
@@ -122,7 +123,8 @@ def simulate(
             for features, ids, loss_mask in rows:
                 for first, end in response_spans(loss_mask.tolist()):
                     last = end if max_new_tokens is None else min(end, first + max_new_tokens - 1)
-                    if last <= first:
+                    if last <= first:  # nothing to draft; kept so responses stay aligned
+                        per_response.append([])
                         continue
                     anchors = torch.arange(first, last)
                     matches = block_matches(
@@ -132,6 +134,19 @@ def simulate(
     finally:
         drafter.train(was_training)
     return per_response
+
+
+def capped(rounds: list[int], max_new_tokens: int) -> list[int]:
+    """The rounds of a walk cut where decoding capped at `max_new_tokens` would stop (the first
+    token comes from the prompt's forward, so the rounds commit at most max_new_tokens - 1): a
+    walk's rounds depend only on what came before them, so the capped walk is this prefix."""
+    out, left = [], max_new_tokens - 1
+    for r in rounds:
+        if left <= 0:
+            break
+        out.append(min(r, left))
+        left -= out[-1]
+    return out
 
 
 def tau_macro(per_response: list[list[int]]) -> float | None:

@@ -34,6 +34,7 @@ SCALARS = {
     "loss": "train/loss",
     "tau": "train/tau_teacher_forced",
     "tau_sim": "train/tau_sim_held_out",
+    "tau_sim_first": "train/tau_sim_held_out_first_answers",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "throughput/tokens_per_s",

@@ -16,7 +16,7 @@ from dflash.model.decoder import layer_output
 from dflash.model.drafter import DrafterConfig
 from dflash.model.precision import native_bf16
 from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
-from dflash.model.tau_sim import simulate, tau_macro
+from dflash.model.tau_sim import capped, simulate, tau_macro
 from dflash.train.telemetry import sync
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,17 @@ class HeldOut:
             feats = feats[..., : model.drafter_width]
             self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
 
-    def tau_sim(self, drafter, embed, head, dtype: torch.dtype) -> float | None:
-        """Simulated real-decoding τ of the drafter as it is now (whole responses)."""
+    def tau_sim(self, drafter, embed, head, dtype: torch.dtype, max_new_tokens: int) -> dict:
+        """Simulated real-decoding τ of the drafter as it is now: `tau_sim` over every turn's
+        whole response, and `tau_sim_first` over each row's first response capped at
+        `max_new_tokens`, the protocol of the evaluation's held-out τ (later turns, where the
+        target often repeats itself, read higher)."""
         device = head.device
-        rows = ((f.to(device, dtype), ids, mask) for f, ids, mask in self.rows)
         autocast = torch.bfloat16 if device.type == "cuda" else None
-        return tau_macro(simulate(drafter, embed, head, rows, autocast=autocast))
+        every, first = [], []
+        for f, ids, mask in self.rows:
+            row = (f.to(device, dtype), ids, mask)
+            responses = simulate(drafter, embed, head, [row], autocast=autocast)
+            every += responses
+            first += [capped(responses[0], max_new_tokens)] if responses else []
+        return {"tau_sim": tau_macro(every), "tau_sim_first": tau_macro(first)}

@@ -64,7 +64,7 @@ class QueuedStep:
     grad_norm: torch.Tensor
     window: Window
     metrics: list[dict]  # each micro-batch's, device tensors
-    tau_sim: float | None
+    tau_sim: dict  # tau_sim and tau_sim_first, when logged at this step
 
 
 class Trainer:
@@ -343,17 +343,22 @@ class Trainer:
         self.step += 1
         return norm
 
-    def simulated_tau(self) -> float | None:
+    def simulated_tau(self) -> dict:
         """tau_sim on the held-out slice every `train.tau_sim.every` steps and at the last."""
         if self.held_out is None:
-            return None
-        every = self.config["train"]["tau_sim"]["every"]
-        if self.step % every and self.step != self.total_steps:
-            return None
+            return {}
+        sim = self.config["train"]["tau_sim"]
+        if self.step % sim["every"] and self.step != self.total_steps:
+            return {}
         step = self.step_fn
-        return self.held_out.tau_sim(
-            self.drafter, step.embed_tokens, step.head_weight, self.compute_dtype
+        found = self.held_out.tau_sim(
+            self.drafter,
+            step.embed_tokens,
+            step.head_weight,
+            self.compute_dtype,
+            sim["max_new_tokens"],
         )
+        return {k: v for k, v in found.items() if v is not None}
 
     def log_step(self, queued: QueuedStep, live: Path) -> None:
         """Write a queued step's line (waits for the device to finish that step)."""
@@ -376,8 +381,7 @@ class Trainer:
             **step_record(list(windows), self.topo, list(means)),
             "host": self.host.window(),
         }
-        if queued.tau_sim is not None:
-            record["tau_sim"] = queued.tau_sim
+        record |= queued.tau_sim
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.board.log(record)
@@ -387,6 +391,8 @@ class Trainer:
         queue = record.get("queue_depth")
         depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
         sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
+        if "tau_sim_first" in record:
+            sim += f" (first answers {record['tau_sim_first']:.3f})"
         line = (
             f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
             f"tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
