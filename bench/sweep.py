@@ -88,6 +88,7 @@ def curve(metrics: Path) -> list[dict]:
                     "tokens_m": round(seen / 1e6, 2),
                     "loss": m["loss"],
                     "tau_sim": m["tau_sim"],
+                    "tau_sim_first": m.get("tau_sim_first"),
                 }
             )
     return rows

@@ -111,6 +111,8 @@ def test_max_new_tokens_caps_the_walk_like_decoding(target):
     assert simulate(drafter, embed, head, [row], max_new_tokens=25) == [real.accepted]
     (whole,) = simulate(drafter, embed, head, [row])  # training cuts the whole walk instead
     assert capped(whole, 25) == real.accepted and len(whole) > len(real.accepted)
+    for cap in range(1, len(reference) + 2):  # every cap, up to past the end of the answer
+        assert [capped(whole, cap)] == simulate(drafter, embed, head, [row], max_new_tokens=cap)
     # a one-token answer has nothing to draft: an empty walk keeps the next answer in its place
     two = torch.tensor([0] * len(PROMPT) + [1] + [0] * 3 + [1] * (len(reference) - 4))
     first, second = simulate(drafter, embed, head, [(feats, torch.tensor(ids), two)])

