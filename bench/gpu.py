@@ -136,8 +136,11 @@ class Bench:
             fn()
             self.sync()
         key = "device_time_total" if self.cuda else "cpu_time_total"
-        text = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        averages = prof.key_averages()
+        text = averages.table(sort_by=key, row_limit=80, max_name_column_width=90)
         (Path(self.args.out).parent / f"profile-{name}.txt").write_text(text)
+        if self.cuda:
+            self.report.setdefault("profiles", {})[name] = kernel_split(averages)
 
     # ---- 1. ceilings ---------------------------------------------------------------------
 
@@ -389,15 +392,14 @@ class Bench:
     def drafter_section(self):
         from dflash.model.drafter import Drafter
 
-        if self.pipeline_topologies:
+        if self.pipeline_topologies and self.target_state is not None:
             self.start_target_save()
 
         torch.manual_seed(0)
-        drafter = Drafter(self.dcfg).to(self.device)  # fp32 master weights, as in training
+        with torch.device(self.device):  # fp32 master weights, as in training
+            drafter = Drafter(self.dcfg)
         self.step_times, out = {}, {}
-        for anchors, batch in zip(
-            self.args.anchors, (self.micro_batch, self.pipe_batch), strict=True
-        ):
+        for anchors, batch in self.cases:
             key = f"{anchors} anchors, {batch}x{self.args.length}"
             out[key] = self.drafter_case(drafter, anchors, batch)
             self.save("drafter_step", out)
@@ -464,30 +466,52 @@ class Bench:
                     compiled_flex=step.compile and attention == "flex", compiled_ce=False,
                 )  # fmt: skip
 
-        def production_loss():  # exactly what training runs
-            return step.loss(feats, ids, loss_mask, torch.Generator().manual_seed(5))
+        def production_loss(step=step):  # exactly what training runs
+            return step.loss(feats, ids, loss_mask, torch.Generator().manual_seed(5), host=False)
 
+        def with_ce_chunk(tokens):  # the production step, another CE chunk size
+            other = TrainStep(
+                drafter, self.embed, self.head, max_anchors=anchors, gamma=gamma,
+                attention=attention, compile=self.cuda, ce_chunk=tokens,
+            )  # fmt: skip
+            return functools.partial(production_loss, step=other)
+
+        def whole_model_loss():  # the previous production step: the whole drafter one graph
+            return model_step.loss(
+                feats, ids, loss_mask, torch.Generator().manual_seed(5), host=False
+            )
+
+        model_step = TrainStep(
+            drafter, self.embed, self.head, max_anchors=anchors, gamma=gamma,
+            attention=attention, compile=self.cuda, compile_scope="model",
+        )  # fmt: skip
         naive_name = "naive: eager, SDPA dense mask, full logits, foreach AdamW"
         variants = {
-            "compiled + flex, checkpointed CE, fused AdamW": (checkpointed_loss, True),
-            "compiled + flex, fused CE eager, fused AdamW": (fused_eager_loss, True),
-            "production: compiled + flex, fused CE compiled, fused AdamW": (production_loss, True),
+            "compiled layers + flex, checkpointed CE, fused AdamW": (checkpointed_loss, "fused"),
+            "compiled layers + flex, fused CE eager, fused AdamW": (fused_eager_loss, "fused"),
         }
-        if anchors != self.args.anchors[0]:  # the CE comparison once is enough
-            del variants["compiled + flex, fused CE eager, fused AdamW"]
+        if self.args.before:  # a cold compile of its own: minutes at Qwen3-8B shapes
+            variants[BEFORE] = (whole_model_loss, "fused")
+        variants[PRODUCTION] = (production_loss, "fused")
+        for tokens in self.args.step_ce_chunks:
+            variants[f"production, CE chunks {tokens}"] = (with_ce_chunk(tokens), "fused")
+        if anchors != self.args.anchors[0]:  # the CE comparisons once are enough
+            del variants["compiled layers + flex, fused CE eager, fused AdamW"]
+            for tokens in self.args.step_ce_chunks:
+                del variants[f"production, CE chunks {tokens}"]
         # The compiled variants first: the first compile overlaps the target save (above).
-        variants[naive_name] = (naive_loss, False)
+        variants[naive_name] = (naive_loss, "foreach")
         rows = {}
-        for name, (loss_fn, fused) in variants.items():
+        for name, (loss_fn, optim) in variants.items():
             try:
-                rows[name] = self.time_step(drafter, loss_fn, fused, flops, lengths, int(v.sum()))
+                profile_name = f"step-{anchors}" if name == PRODUCTION else None
+                rows[name] = self.time_step(
+                    drafter, loss_fn, optim, flops, lengths, int(v.sum()), profile_name
+                )
             except torch.OutOfMemoryError as e:
                 rows[name] = {"error": f"OOM {str(e)[:100]}"}
             drafter.zero_grad(set_to_none=True)
             self.reset_peak()
-        if self.args.profile:
-            self.profile(f"drafter-{anchors}", lambda: production_loss()[0].backward())
-            drafter.zero_grad(set_to_none=True)
         rows = {naive_name: rows.pop(naive_name)} | rows  # naive first in the table
         naive = rows[naive_name].get("step_s")
         for r in rows.values():
@@ -503,14 +527,36 @@ class Bench:
             "rows": rows,
         }
 
-    def time_step(self, drafter, loss_fn, fused: bool, flops, lengths, blocks: int) -> dict:
-        """One optimizer step per batch: loss, backward, clip, AdamW; median of `--steps`."""
-        opt = torch.optim.AdamW(
-            drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=fused and self.cuda
-        )
+    def phase_ms(self, loss_fn, clip_and_step) -> dict:
+        """Device milliseconds of one step's phases (CUDA events): the forward (the fused CE's
+        gradient included), the backward, clip + AdamW; and the host's wall time for the step,
+        beside their sum: a gap means the device waited for the host."""
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        self.sync()
+        t0 = time.perf_counter()
+        marks[0].record()
+        loss, _ = loss_fn()
+        marks[1].record()
+        loss.backward()
+        marks[2].record()
+        clip_and_step()
+        marks[3].record()
+        self.sync()
+        wall = time.perf_counter() - t0
+        names = ("forward", "backward", "clip_and_adamw")
+        out = {n: round(marks[i].elapsed_time(marks[i + 1]), 2) for i, n in enumerate(names)}
+        return out | {"wall": round(wall * 1e3, 2)}
+
+    def time_step(
+        self, drafter, loss_fn, optim: str, flops, lengths, blocks: int, profile_name=None
+    ) -> dict:
+        """One optimizer step per batch: loss, backward, clip, AdamW; median of `--steps`.
+        optim: "foreach" or "fused" AdamW, after torch's clip as training runs it."""
+        params = list(drafter.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=optim == "fused")
 
         def clip_and_step():
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
 
         def train_step():
@@ -532,9 +578,14 @@ class Bench:
         loss.backward()
         t_opt, _ = self.timed(clip_and_step, 1, 2)
         opt.zero_grad(set_to_none=True)
+        phases = self.phase_ms(loss_fn, clip_and_step) if self.cuda else None
+        opt.zero_grad(set_to_none=True)
+        if profile_name and self.args.profile:
+            self.profile(profile_name, train_step)
         return {
             "step_s": round(t, 4),
             "optimizer_s": round(t_opt, 4),
+            "phase_ms": phases,
             "context_tokens_per_s": round(sum(lengths) / t),
             "block_tokens_per_s": round(blocks * self.dcfg.block_size / t),
             "tflops": round(flops / t / 1e12, 1),
@@ -546,7 +597,40 @@ class Bench:
             "times_s": info["times_s"],
         }
 
-    # ---- 5. pipeline ---------------------------------------------------------------------
+    # ---- 5. warm start -------------------------------------------------------------------
+
+    def warm_section(self):
+        """A fresh process that finds this run's compile cache, as a training process finds the
+        warmup rule's: its seconds to import what training imports, then the warmup rule's own
+        code (`warm_shapes`) on the pipeline's shape, each graph's first call, with dynamo's
+        compile-time breakdown and the cache hits: what still compiles warm, and for how long."""
+        import subprocess
+
+        spec = {
+            "target_config": str(self.cfg_dir),
+            "cache": str(self.work / "compile-cache"),
+            "layers": self.args.layers,
+            "scope": "layers",
+            "anchors": self.cases[-1][0],  # the last drafter case's graphs are in the cache
+            "shapes": [[self.cases[-1][1], self.args.length]],
+            "mask_token_id": self.target_cfg.vocab_size - 1,
+            "device": str(self.device),
+            "profile": str(Path(self.args.out).parent / "warm-start-cprofile.txt"),
+        }
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, __file__, "--warm-child", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            self.save("warm_start", {"error": done.stderr[-3000:]})
+            return
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["command_wall_s"] = round(time.perf_counter() - t0, 1)
+        self.save("warm_start", result)
+
+    # ---- 6. pipeline ---------------------------------------------------------------------
 
     def pipeline_section(self):
         import pipeline
@@ -573,6 +657,8 @@ class Bench:
         config["train"] |= {"checkpoint_every": 10**9, "keep_checkpoints": 1}
         config = validate(config, "bench config")
         args = argparse.Namespace(target=self.work / "target", data=self.work / "rows.parquet")
+        if not args.target.exists():  # the target section did not run: a random one
+            pipeline.synthetic_target(self.cfg_dir, args.target)
         pipeline.synthetic_rows(
             args.data, self.args.rows, L, self.target_cfg.vocab_size, min_length=int(0.6 * L) + 1
         )
@@ -581,17 +667,17 @@ class Bench:
         tokens = self.pipe_tokens
         times = self.step_times.get(anchors, {})
         naive_step = times.get("naive: eager, SDPA dense mask, full logits, foreach AdamW")
-        prod_step = times.get("production: compiled + flex, fused CE compiled, fused AdamW")
-        t_naive = self.target_times["naive full forward + logits, mask"]
-        t_prod = self.target_times["early stop, no mask, written out, compiled (production)"]
+        prod_step = times.get(PRODUCTION)
+        t_naive = self.target_times.get("naive full forward + logits, mask")
+        t_prod = self.target_times.get("early stop, no mask, written out, compiled (production)")
         est = {
             "naive_colocated_tokens_per_s": round(tokens / (t_naive + naive_step))
-            if naive_step
+            if naive_step and t_naive
             else None,
             "production_colocated_tokens_per_s": round(tokens / (t_prod + prod_step))
-            if prod_step
+            if prod_step and t_prod
             else None,
-            "production_target_alone_tokens_per_s": round(tokens / t_prod),
+            "production_target_alone_tokens_per_s": round(tokens / t_prod) if t_prod else None,
             "production_drafter_alone_tokens_per_s": round(tokens / prod_step)
             if prod_step
             else None,
@@ -638,6 +724,9 @@ class Bench:
                     "mean_queue_depth",
                     "time_split",
                     "peak_memory_gb",
+                    "startup_s",
+                    "startup_split_s",
+                    "compile_s",
                     "steps",
                     "verdict",
                     "command_wall_s",
@@ -672,6 +761,8 @@ class Bench:
         )
         self.micro_batch = a.micro_batch
         self.pipe_batch = a.pipe_batch
+        # (anchors, batch): the first at --micro-batch, the second (the pipeline's) at --pipe-batch
+        self.cases = list(zip(a.anchors, (a.micro_batch, a.pipe_batch), strict=False))
         gpus = torch.cuda.device_count() if self.cuda else 0
         if a.no_pipeline:
             self.pipeline_topologies = []
@@ -691,19 +782,134 @@ class Bench:
             "pipe_batch": self.pipe_batch,
             "drafter": self.dcfg.to_hf(),
         }
+        sections = a.sections
+        if "pipeline" not in sections:
+            self.pipeline_topologies = []
         self.ceilings()
-        self.target_section()
+        if "target" in sections:
+            self.target_section()
+        else:  # the drafter's frozen embedding and head, random
+            self.target_times, self.target_state = {}, None
+            g = torch.Generator(device=self.device).manual_seed(1)
+            shape = (self.target_cfg.vocab_size, self.target_cfg.hidden_size)
+            weight = torch.randn(shape, device=self.device, generator=g, dtype=self.dtype)
+            self.embed = torch.nn.Embedding.from_pretrained(weight, freeze=True)
+            self.head = weight.clone()
         _, _, _, lengths = self.rows(self.pipe_batch, seed=1)
         self.pipe_tokens = sum(lengths)
-        self.ce_section()
-        self.drafter_section()
+        if "ce" in sections:
+            self.ce_section()
+        self.step_times = {}
+        if "drafter" in sections:
+            self.drafter_section()
         del self.embed, self.head
         self.reset_peak()
+        if "warm" in sections:
+            self.warm_section()
         if self.pipeline_topologies:
             self.pipeline_section()
+        self.save("goals", goals(self.report))
         self.report["wall_s"] = round(time.perf_counter() - self.started, 1)
         self.save("done", {"wall_s": self.report["wall_s"]})
         print(table(self.report))
+
+
+def warm_child(spec: dict) -> None:
+    """The warm-start measurement (`Bench.warm_section`), in its own process; prints JSON."""
+    from dflash.host import process_age_s
+
+    marks = {"interpreter_and_torch": process_age_s()}
+    import dflash.train.loop  # noqa: F401  (everything a training process imports)
+
+    marks["training_imports"] = process_age_s()
+    from dflash.model.drafter import Drafter, DrafterConfig
+    from dflash.train.warmup import use_cache, warm_shapes
+
+    use_cache(Path(spec["cache"]))
+    config = {
+        "drafter": {
+            "num_layers": spec["layers"],
+            "block_size": 16,
+            "max_anchors": spec["anchors"],
+            "gamma": None,
+            "target_layer_ids": None,
+        },
+        "compile": {
+            "enabled": True,
+            "device": spec["device"],
+            "attention": "auto",
+            "target": True,
+            "scope": spec["scope"],
+        },
+        "target": {"mask_token_id": spec["mask_token_id"]},
+        "train": {"distill": 0},
+    }
+    shapes = [tuple(x) for x in spec["shapes"]]
+    import cProfile
+    import io
+    import pstats
+
+    t0 = time.perf_counter()
+    with cProfile.Profile() as prof:  # where a warm start's seconds go, by Python function
+        records, setup = warm_shapes(Path(spec["target_config"]), config, shapes, steps=1)
+    warm_s = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+    Path(spec["profile"]).write_text(text.getvalue())
+    marks["warm_shapes"] = process_age_s()
+    # the drafter's construction alone (part of warm_shapes above): fp32 init on the host
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig.for_target(
+        AutoConfig.from_pretrained(spec["target_config"]), spec["layers"], 16, 0
+    )
+    t1 = time.perf_counter()
+    Drafter(cfg)
+    init_s = time.perf_counter() - t1  # the host, as training drew it before
+    counters = torch._dynamo.utils.counters
+    hits = {
+        f"{group}.{name}": n
+        for group in ("inductor", "aot_autograd")
+        for name, n in counters[group].items()
+        if "cache" in name
+    }
+    print(
+        json.dumps(
+            {
+                "process_age_s": marks,
+                "warm_shapes_s": round(warm_s, 2),
+                "drafter_host_init_s": round(init_s, 2),
+                "shapes": records,
+                **setup,
+                "cache_counters": hits,
+                "compile_times": torch._dynamo.utils.compile_times(repr="str"),
+            }
+        )
+    )
+
+
+KERNEL_KINDS = (  # (kind, substrings of a kernel's name), first match wins
+    ("flex attention", ("flex_attention",)),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_")),
+    ("CE softmax and gradient", ("logsumexp",)),
+    ("inductor fused (norms, RoPE, SiLU, casts)", ("triton_",)),
+    ("AdamW", ("adam",)),
+    ("clip (norms, scaling)", ("multi_tensor", "foreach", "norm")),
+    ("eager copies and casts", ("copy", "memcpy", "memset")),
+)
+
+
+def kernel_split(averages) -> dict:
+    """Device milliseconds of one profiled call by kernel kind: where the non-matmul time goes."""
+    split: dict[str, float] = {}
+    for e in averages:
+        if e.device_type != torch.autograd.DeviceType.CUDA or not e.self_device_time_total:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+        split[kind] = split.get(kind, 0.0) + e.self_device_time_total / 1e3
+    split = {k: round(v, 2) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
+    return {"device_ms": split, "device_ms_total": round(sum(split.values()), 2)}
 
 
 def full_lm_loss(hidden, head_weight, labels, weights, chunk_tokens=None):
@@ -711,6 +917,45 @@ def full_lm_loss(hidden, head_weight, labels, weights, chunk_tokens=None):
     logits = (hidden @ head_weight.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum(), logits.argmax(-1) == labels
+
+
+PRODUCTION = "production: compiled layers + flex, fused CE compiled, fused AdamW"
+BEFORE = "before: the whole drafter compiled"  # the previous production step
+PIPELINE_BEFORE = 13150  # tokens/s per GPU, 1 + 1 on two H200 (issue 7's run)
+GOALS = {  # issue 17
+    "mfu": ("drafter step at the first anchors: MFU vs 989 TFLOP/s", 0.62),
+    "roofline": ("target features (production): fraction of the roofline", 0.80),
+    "warm_start": ("warm start: seconds from process start to the first step", 10.0),
+    "pipeline": ("pipeline 1 + 1: tokens/s per GPU (1.25x 13,150)", 1.25 * PIPELINE_BEFORE),
+}
+
+
+def goals(report: dict) -> dict:
+    """Issue 17's goals, each with this run's value and whether it is met (None: not measured)."""
+    s = report["sections"]
+    values = {}
+    steps = list(s.get("drafter_step", {}).values())
+    if steps:
+        values["mfu"] = steps[0]["rows"].get(PRODUCTION, {}).get("mfu")
+    target = s.get("target_features", {}).get("rows", {})
+    row = next((r for n, r in target.items() if "(production)" in n), {})
+    values["roofline"] = row.get("roofline_frac")
+    # a real `dflash train` (the pipeline's runs) when there is one, else the warm-start child
+    runs = [r for r in s.get("pipeline", {}).get("runs", {}).values() if r.get("startup_s")]
+    warm = s.get("warm_start", {})
+    if runs:
+        values["warm_start"] = max(r["startup_s"] for r in runs)
+    elif "process_age_s" in warm:
+        values["warm_start"] = warm["process_age_s"]["warm_shapes"]
+    run = s.get("pipeline", {}).get("runs", {}).get("1+1", {})
+    values["pipeline"] = run.get("tokens_per_s_per_gpu")
+    out = {}
+    for key, (what, goal) in GOALS.items():
+        v = values.get(key)
+        lower_is_better = key == "warm_start"
+        met = None if v is None else (v <= goal if lower_is_better else v >= goal)
+        out[key] = {"goal": what, "target": goal, "value": v, "met": met}
+    return out
 
 
 def table(report: dict) -> str:
@@ -768,6 +1013,16 @@ def table(report: dict) -> str:
             f"{100 * r['roofline_frac']:7.1f}% {r['speedup_vs_naive']:7.2f} "
             f"{r.get('rel_err_vs_naive', 0):8.1e} {r.get('rel_err_row0_vs_fp32', 0):8.1e}"
         )
+    w = s.get("warm_start")
+    if w and "process_age_s" in w:
+        lines.append("")
+        lines.append(
+            f"warm start (a fresh process, this run's cache): process age {w['process_age_s']}; "
+            f"first calls {[(r['first_step_s'], r.get('target_layer_s')) for r in w['shapes']]}; "
+            f"drafter host init {w['drafter_host_init_s']} s; cache {w['cache_counters']}"
+        )
+    for name, prof in report.get("profiles", {}).items():
+        lines.append(f"profile {name}: device ms {prof['device_ms']}")
     p = s.get("pipeline")
     if p:
         lines.append("")
@@ -792,6 +1047,16 @@ def table(report: dict) -> str:
                 f"{r['drafter_capacity_tokens_per_s']:11.0f} {r['peak_memory_gb']:7.1f}  "
                 f"{r['verdict'][:90]}"
             )
+            if r.get("startup_s") is not None:
+                lines.append(
+                    f"{'':9} first step {r['startup_s']} s after the process started: "
+                    f"{r.get('startup_split_s')}"
+                )
+    lines.append("")
+    lines.append("issue 17's goals")
+    for g in s.get("goals", {}).values():
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
+        lines.append(f"{g['goal']:62} goal {g['target']:>8} this run {g['value']!s:>8}  {verdict}")
     return "\n".join(lines)
 
 
@@ -805,18 +1070,38 @@ def main():
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--steps", type=int, default=4, help="timed drafter steps per variant")
     p.add_argument("--ce-chunks", default="1024", help="compiled fused CE chunks")
+    p.add_argument(
+        "--step-ce-chunks", default="", help="other CE chunk sizes to time in the production step"
+    )
     p.add_argument("--rows", type=int, default=128, help="pipeline rows (batches x pipe-batch)")
     p.add_argument("--topologies", help="default: 1+1 with 2+ GPUs, else 0+1")
     p.add_argument("--no-pipeline", action="store_true")
+    p.add_argument(
+        "--sections",
+        default="target,ce,drafter,warm,pipeline",
+        help="which sections to run (the ceilings always run); without target, the drafter's "
+        "embedding and head are random",
+    )
+    p.add_argument("--warm-child", help=argparse.SUPPRESS)  # JSON: one warm-start measurement
     p.add_argument("--budget-s", type=float, help="skip a pipeline run that would end past this")
     p.add_argument("--pipeline-s", type=float, default=180, help="one pipeline run's seconds")
     p.add_argument("--profile", action="store_true", help="kernel tables of one step each")
+    p.add_argument(
+        "--before",
+        action="store_true",
+        help="also time the previous production step (the whole drafter compiled): a cold "
+        "compile of its own",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU logic check)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     a = p.parse_args()
+    if a.warm_child:
+        return warm_child(json.loads(a.warm_child))
+    a.sections = set(a.sections.split(","))
     a.anchors = [int(x) for x in a.anchors.split(",")]
     a.ce_chunks = [int(x) for x in a.ce_chunks.split(",")]
+    a.step_ce_chunks = [int(x) for x in a.step_ce_chunks.split(",") if x]
     if a.small:
         a.length, a.anchors, a.layers, a.steps, a.rows = 128, [16, 8], 2, 2, 24
         a.ce_chunks = [64, 256]

@@ -29,7 +29,13 @@ def child(cache: str) -> None:
             "gamma": None,
             "target_layer_ids": None,
         },
-        "compile": {"enabled": True, "device": "auto", "attention": "auto", "target": True},
+        "compile": {
+            "enabled": True,
+            "device": "auto",
+            "attention": "auto",
+            "target": True,
+            "scope": "layers",
+        },
         "target": {"mask_token_id": 151669},
         "train": {"distill": 0},
     }

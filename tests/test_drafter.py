@@ -471,6 +471,49 @@ def test_compiled_step_does_not_recompile_for_a_different_anchor_count():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
+def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
+    """compile.scope layers (the default): dynamo traces two layers however deep the drafter
+    (the first, whose input needs no gradient, and one graph every later layer shares), while
+    the whole-drafter graph grows with depth; the step's loss and gradients are the eager
+    step's."""
+    from torch._dynamo.utils import counters
+
+    from dflash.model.step import TrainStep
+
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    feats = torch.randn(2, 24, 3 * 32, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    captured, grads = {}, {}
+    for scope, layers, compile in [
+        ("layers", 2, True),
+        ("layers", 3, True),
+        ("model", 1, True),
+        ("model", 3, True),
+        ("eager", 3, False),
+    ]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        drafter = Drafter(tiny_config(num_hidden_layers=layers))
+        embed = torch.nn.Embedding(50, 32).requires_grad_(False)
+        step = TrainStep(
+            drafter, embed, embed.weight, max_anchors=4, gamma=None, attention="sdpa",
+            compile=compile, compile_scope=scope,
+        )  # fmt: skip
+        metrics = step(feats, ids, mask, torch.Generator().manual_seed(2))
+        captured[scope, layers] = counters["stats"]["calls_captured"]
+        grads[scope, layers] = (metrics["loss"], [p.grad.clone() for p in drafter.parameters()])
+    assert captured["layers", 3] == captured["layers", 2] > 0
+    assert captured["model", 3] > captured["model", 1]
+    loss, eager = grads["eager", 3]
+    for scope in ("layers", "model"):
+        got_loss, got = grads[scope, 3]
+        assert got_loss == pytest.approx(loss, rel=1e-5)
+        for a, b in zip(got, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_target_top_init_copies_the_targets_top_layers_and_output_norm(target_dir):
     """drafter.init: target_top starts drafter layer i as target layer L-n+i (SmolLM2 is Llama:
     no q/k norms, so those keep their ones) and the output norm as the target's final norm."""

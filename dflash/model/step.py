@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from dflash.model.drafter import LayerCompiled
 from dflash.model.objective import dflash_loss
 
 
@@ -56,17 +57,26 @@ class TrainStep:
         gamma,
         attention,
         compile: bool,
+        compile_scope: str = "layers",
         wrap=None,
         distill: float = 0.0,
+        ce_chunk: int = 1024,
     ):
         self.drafter = drafter
-        self.model = torch.compile(drafter, dynamic=False) if compile else drafter
+        self.model = drafter
+        if compile:  # `compile.scope`: one graph shared by the layers, or the whole drafter
+            self.model = (
+                LayerCompiled(drafter)
+                if compile_scope == "layers"
+                else torch.compile(drafter, dynamic=False)
+            )
         if wrap is not None:  # e.g. DDP, around the compiled module the warmup prepared
             self.model = wrap(self.model)
             self.model.config = drafter.config
         self.embed_tokens, self.head_weight = embed_tokens, head_weight
         self.max_anchors, self.gamma, self.attention = max_anchors, gamma, attention
         self.compile, self.distill = compile, distill
+        self.ce_chunk = ce_chunk  # tokens per chunk of LM-head logits
 
     def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
         loss, metrics = self.loss(features, input_ids, loss_mask, generator)
@@ -89,6 +99,7 @@ class TrainStep:
                 self.max_anchors,
                 self.gamma,
                 backend=self.attention,
+                chunk_tokens=self.ce_chunk,
                 compiled_flex=self.compile and self.attention == "flex",
                 compiled_ce=self.compile and device == "cuda",
                 distill=self.distill,

@@ -105,11 +105,13 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         torch.manual_seed(config["seed"])  # every drafter starts from the same weights
-        self.drafter = Drafter(self.dcfg)
+        # drawn on the device: on the host, an 8B target's 5-layer drafter (1B parameters)
+        # took 9.4 to 10.6 s to initialise on an H200 box, a third of a warm start
+        with torch.device(self.device):
+            self.drafter = Drafter(self.dcfg)
         if d["init"] == "target_top":
             copied = init_from_target_top(self.drafter, target_dir)
             log.info("drafter.init: target_top: %d target tensors copied", len(copied))
-        self.drafter.to(self.device)
         gamma = d["gamma"] or default_gamma(d["block_size"])
         self.ddp = ctx.drafter_group is not None
         self.step_fn = TrainStep(
@@ -120,6 +122,7 @@ class Trainer:
             gamma=gamma,
             attention=resolve_attention("auto", self.device),
             compile=config["compile"]["enabled"],
+            compile_scope=config["compile"]["scope"],
             wrap=self._ddp if self.ddp else None,
             distill=t["distill"],
         )

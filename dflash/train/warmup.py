@@ -78,7 +78,8 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         target_config, dcfg["num_layers"], dcfg["block_size"], mask_id, dcfg["target_layer_ids"]
     )
     torch.manual_seed(0)
-    drafter = Drafter(cfg).to(device)  # fp32 master weights, as training keeps them
+    with torch.device(device):  # fp32 master weights, as training keeps them
+        drafter = Drafter(cfg)
     # Weights do not matter for compilation, only shapes, dtypes and devices.
     embed = (
         torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype).requires_grad_(False)
@@ -91,6 +92,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         gamma=dcfg["gamma"],
         attention=attention,
         compile=ccfg["enabled"],
+        compile_scope=ccfg["scope"],
         distill=config["train"]["distill"],
     )
     width = feature_width(cfg, config["train"]["distill"])
