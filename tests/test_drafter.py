@@ -514,6 +514,27 @@ def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_compiled_layers_compile_every_bucket_shape():
+    """Each shape is two entries of the layers' compiled function: past torch's default limit
+    of 8 (a fifth shape) dynamo would run the layers eagerly, with only a log line."""
+    from torch._dynamo.utils import counters
+
+    from dflash.model.step import TrainStep, run_shapes
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_config(num_hidden_layers=3)
+    drafter = Drafter(cfg)
+    embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
+    step = TrainStep(
+        drafter, embed, embed.weight, max_anchors=2, gamma=None, attention="sdpa", compile=True
+    )
+    shapes = [(1, 8 * (i + 1)) for i in range(6)]
+    run_shapes(step, shapes, 3 * cfg.hidden_size, cfg.vocab_size, torch.float32)
+    assert counters["stats"]["unique_graphs"] == 2 * len(shapes)
+
+
 def test_target_top_init_copies_the_targets_top_layers_and_output_norm(target_dir):
     """drafter.init: target_top starts drafter layer i as target layer L-n+i (SmolLM2 is Llama:
     no q/k norms, so those keep their ones) and the output norm as the target's final norm."""

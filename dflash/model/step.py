@@ -28,6 +28,11 @@ def _reduce_memory_format(fmt: torch.memory_format):
 # and training recompiled every shape (274 s on an H200). One reducer for every process.
 copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
+# Every bucket shape adds an entry to each compiled function's cache, two to the layers' (the
+# first layer and the rest). Past torch's default of 8 entries, dynamo silently runs a function
+# eagerly: a fifth bucket shape would have trained with its layers uncompiled.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

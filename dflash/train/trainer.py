@@ -106,7 +106,7 @@ class Trainer:
                 torch.cuda.empty_cache()
         torch.manual_seed(config["seed"])  # every drafter starts from the same weights
         # drawn on the device: on the host, an 8B target's 5-layer drafter (1B parameters)
-        # took 9.4 to 10.6 s to initialise on an H200 box, a third of a warm start
+        # took 9 to 14 s to initialise on an H200 box, a third of a warm start
         with torch.device(self.device):
             self.drafter = Drafter(self.dcfg)
         if d["init"] == "target_top":
