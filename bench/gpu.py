@@ -478,32 +478,23 @@ class Bench:
         def production_loss(step=step):  # exactly what training runs
             return step.loss(feats, ids, loss_mask, torch.Generator().manual_seed(5), host=False)
 
-        def with_ce_chunk(tokens):  # the production step, another CE chunk size
+        def other_step(**kw):  # the production step with one setting changed
             other = TrainStep(
                 drafter, self.embed, self.head, max_anchors=anchors, gamma=gamma,
-                attention=attention, compile=self.cuda, ce_chunk=tokens,
+                attention=attention, compile=self.cuda, **kw,
             )  # fmt: skip
             return functools.partial(production_loss, step=other)
 
-        def whole_model_loss():  # the previous production step: the whole drafter one graph
-            return model_step.loss(
-                feats, ids, loss_mask, torch.Generator().manual_seed(5), host=False
-            )
-
-        model_step = TrainStep(
-            drafter, self.embed, self.head, max_anchors=anchors, gamma=gamma,
-            attention=attention, compile=self.cuda, compile_scope="model",
-        )  # fmt: skip
         naive_name = "naive: eager, SDPA dense mask, full logits, foreach AdamW"
         variants = {
             "compiled layers + flex, checkpointed CE, fused AdamW": (checkpointed_loss, "fused"),
             "compiled layers + flex, fused CE eager, fused AdamW": (fused_eager_loss, "fused"),
         }
         if self.args.before:  # a cold compile of its own: minutes at Qwen3-8B shapes
-            variants[BEFORE] = (whole_model_loss, "fused")
+            variants[BEFORE] = (other_step(compile_scope="model"), "fused")
         variants[PRODUCTION] = (production_loss, "fused")
         for tokens in self.args.step_ce_chunks:
-            variants[f"production, CE chunks {tokens}"] = (with_ce_chunk(tokens), "fused")
+            variants[f"production, CE chunks {tokens}"] = (other_step(ce_chunk=tokens), "fused")
         if anchors != self.args.anchors[0]:  # the CE comparisons once are enough
             del variants["compiled layers + flex, fused CE eager, fused AdamW"]
             for tokens in self.args.step_ce_chunks:
@@ -835,28 +826,15 @@ def warm_child(spec: dict) -> None:
     import dflash.train.loop  # noqa: F401  (everything a training process imports)
 
     marks["training_imports"] = process_age_s()
+    from warmup_gpu import warm_config
+
     from dflash.model.drafter import Drafter, DrafterConfig
     from dflash.train.warmup import use_cache, warm_shapes
 
     use_cache(Path(spec["cache"]))
-    config = {
-        "drafter": {
-            "num_layers": spec["layers"],
-            "block_size": 16,
-            "max_anchors": spec["anchors"],
-            "gamma": None,
-            "target_layer_ids": None,
-        },
-        "compile": {
-            "enabled": True,
-            "device": spec["device"],
-            "attention": "auto",
-            "target": True,
-            "scope": spec["scope"],
-        },
-        "target": {"mask_token_id": spec["mask_token_id"]},
-        "train": {"distill": 0},
-    }
+    config = warm_config(
+        spec["layers"], spec["anchors"], spec["mask_token_id"], spec["device"], spec["scope"]
+    )
     shapes = [tuple(x) for x in spec["shapes"]]
     import cProfile
     import io

@@ -15,30 +15,37 @@ from pathlib import Path
 SHAPES = [(4, 1024), (2, 2048), (1, 4096)]  # (batch, bucket length) under a 4K-token budget
 
 
-def child(cache: str) -> None:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/inductor"
-    os.environ["TRITON_CACHE_DIR"] = f"{cache}/triton"
-    from dflash.train.warmup import tree_size, warm_shapes
-
-    # The resolved config subset warm_shapes reads (written out: the GPU image has no jsonschema).
-    config = {
+def warm_config(
+    layers: int, anchors: int, mask_token_id: int, device: str = "auto", scope: str = "layers"
+) -> dict:
+    """The resolved config subset `warm_shapes` reads (written out: the GPU image has no
+    jsonschema); bench/gpu.py's warm start uses it too."""
+    return {
         "drafter": {
-            "num_layers": 5,
+            "num_layers": layers,
             "block_size": 16,
-            "max_anchors": 256,
+            "max_anchors": anchors,
             "gamma": None,
             "target_layer_ids": None,
         },
         "compile": {
             "enabled": True,
-            "device": "auto",
+            "device": device,
             "attention": "auto",
             "target": True,
-            "scope": "layers",
+            "scope": scope,
         },
-        "target": {"mask_token_id": 151669},
+        "target": {"mask_token_id": mask_token_id},
         "train": {"distill": 0},
     }
+
+
+def child(cache: str) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache}/inductor"
+    os.environ["TRITON_CACHE_DIR"] = f"{cache}/triton"
+    from dflash.train.warmup import tree_size, warm_shapes
+
+    config = warm_config(5, 256, 151669)
     t0 = time.perf_counter()
     records, setup = warm_shapes(Path(__file__).parent / "qwen3-8b-config", config, SHAPES, steps=3)
     print(

@@ -78,11 +78,11 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         target_config, dcfg["num_layers"], dcfg["block_size"], mask_id, dcfg["target_layer_ids"]
     )
     torch.manual_seed(0)
-    with torch.device(device):  # fp32 master weights, as training keeps them
-        drafter = Drafter(cfg)
-    # Weights do not matter for compilation, only shapes, dtypes and devices. Drawn on the
-    # device: an 8B target's embedding (622M numbers) took about 5 s on the host.
+    # Drawn on the device: an 8B target's drafter (1B numbers) and embedding (622M) took
+    # seconds on the host. fp32 master weights, as training keeps them; the embedding's weights
+    # do not matter for compilation, only shapes, dtypes and devices.
     with torch.device(device):
+        drafter = Drafter(cfg)
         embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
     embed.requires_grad_(False)
     step = TrainStep(
