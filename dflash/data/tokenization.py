@@ -30,27 +30,50 @@ def _render(tokenizer, turns, generation_prompt=False) -> str:
 def assistant_spans(
     tokenizer, turns: list[dict], truncated: set[int], generation_prompt: bool = False
 ) -> tuple[str, list]:
-    """The rendered text and the [start, end) character span of each assistant turn."""
+    """The rendered text and the [start, end) character span of each assistant turn.
+
+    A turn starts where the generation prompt of the turns before it ends, which the full render
+    must begin with. It ends where the render of the conversation up to it ends, when the full
+    render begins with that too. Some templates render a turn differently when it is the last
+    one (Qwen3 wraps it in an empty think block and strips reasoning from earlier ones): then
+    its end is found in the full render, as the turn's final words followed by the end-of-turn
+    text, the last such place before the next assistant turn's prompt.
+    """
     full = _render(tokenizer, turns, generation_prompt)
-    spans = []
+    starts = {}
     for i, turn in enumerate(turns):
-        if turn["role"] != "assistant":
-            continue
-        prefix = _render(tokenizer, turns[:i], generation_prompt=True)
+        if turn["role"] == "assistant":
+            prefix = _render(tokenizer, turns[:i], generation_prompt=True)
+            if not full.startswith(prefix):
+                raise DataError(
+                    f"turn {i}: the chat template renders earlier turns differently once later "
+                    "turns are added, so assistant spans cannot be located"
+                )
+            starts[i] = len(prefix)
+    bounds = [*list(starts.values())[1:], len(full)][: len(starts)]  # each turn's region ends
+    spans = []
+    for (i, start), bound in zip(starts.items(), bounds, strict=True):
+        content = turns[i]["content"]
         upto = _render(tokenizer, turns[: i + 1])
-        if not (upto.startswith(prefix) and full.startswith(upto)):
-            raise DataError(
-                f"turn {i}: the chat template renders earlier turns differently once later turns "
-                "are added, so assistant spans cannot be located"
-            )
-        end = len(upto.rstrip())  # content + end-of-turn, without the template's trailing newline
-        if i in truncated:  # content only: the target never emitted the end-of-turn here
-            content = turn["content"]
-            found = upto.find(content, len(prefix)) if content else len(prefix)
+        closed = upto.rstrip()  # content + end-of-turn, without the template's trailing newline
+        if full.startswith(upto):
+            end = len(closed)
+            if i in truncated:  # content only: the target never emitted the end-of-turn here
+                found = upto.find(content, start) if content else start
+                if found < 0:
+                    raise DataError(f"turn {i}: the chat template altered the assistant content")
+                end = found + len(content)
+        else:
+            words = content.rstrip()[-32:]  # the turn's final words, as any template keeps them
+            eot = "" if i in truncated else closed[closed.rfind(words) + len(words) :]
+            found = full.rfind(words + eot, start, bound) if words else -1
             if found < 0:
-                raise DataError(f"turn {i}: the chat template altered the assistant content")
-            end = found + len(content)
-        spans.append((len(prefix), end))
+                raise DataError(
+                    f"turn {i}: the chat template renders this turn differently as the last "
+                    "one, and its end cannot be found in the full conversation"
+                )
+            end = found + len(words) + len(eot)
+        spans.append((start, end))
     return full, spans
 
 
