@@ -58,6 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info", type=Path, required=True, help="target facts JSON (mask token, ...)")
     p.set_defaults(stage="dflash.model.convert:run")
 
+    p = _add(
+        sub,
+        "random-target",
+        "write a rehearsal target: random seeded weights of a public config, a real tokenizer",
+        config=False,
+    )
+    p.add_argument(
+        "--model-config",
+        type=Path,
+        required=True,
+        help="transformers config.json (or a folder holding one), e.g. bench/qwen3-8b-config",
+    )
+    p.add_argument(
+        "--tokenizer", type=Path, required=True, help="folder with the tokenizer's files"
+    )
+    p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
+    p.add_argument("--seed", type=int, default=0, help="torch seed of the weights (default 0)")
+    p.add_argument(
+        "--device", default="auto", help="where to draw the weights (auto: cuda if present)"
+    )
+    p.set_defaults(stage="dflash.model.random_target:run")
+
     p = _add(sub, "expand", "merge, normalise, dedupe, shuffle and split the chat sources")
     p.add_argument("--train", type=Path, required=True)
     p.add_argument("--eval", type=Path, required=True)

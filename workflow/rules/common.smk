@@ -107,6 +107,15 @@ def target_fingerprint():
     return {f: os.path.getsize(os.path.join(path, f)) for f in files}
 
 
+def random_init_config_hash():
+    """sha256 of a rehearsal target's model config, so editing it rebuilds the target."""
+    spec = config["target"]["random_init"]
+    if not spec:
+        return None
+    path = spec["config"]
+    return sha256_file(os.path.join(path, "config.json") if os.path.isdir(path) else path)
+
+
 def regenerated(split):
     if config["data"]["regenerate"]["enabled"]:
         return f"{R}/data/regenerated/{split}.parquet"

@@ -11,7 +11,8 @@ rule target:
         f"{R}/logs/target.log",
     params:
         config=config_json("target", "cache_dir"),
-        code=code_hash("dflash.model.convert"),
+        model_config=random_init_config_hash(),
+        code=code_hash("dflash.model.convert", "dflash.model.random_target"),
         env=ENV_HASH,
     shell:
         "python -m dflash target --config {params.config:q} --out {output.model}"
