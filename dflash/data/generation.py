@@ -16,6 +16,7 @@ import torch
 from dflash.errors import UserError
 from dflash.gpus import claim_gpu
 from dflash.model.engine import BatchedGreedy
+from dflash.model.memory import require_target_fits
 from dflash.model.precision import resolve_dtype
 
 
@@ -47,6 +48,7 @@ class Generator:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.tokenizer.padding_side = "left"
         self.dtype = resolve_dtype(dtype, self.device)
+        require_target_fits(target_dir, self.dtype, self.device, "regeneration")
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype)
         self.model.to(self.device).eval()
         self.max_new_tokens = max_new_tokens

@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash.errors import UserError
 from dflash.model.decoder import head_dim, layer_output, supports_static
+from dflash.model.memory import require_target_fits
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -160,6 +161,8 @@ class TargetFeatures(nn.Module):
 
 def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remote_code=False):
     from transformers import AutoModelForCausalLM
+
+    require_target_fits(path, dtype, device, "loading the target")
 
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=trust_remote_code
