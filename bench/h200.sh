@@ -5,6 +5,8 @@
 #   bash bench/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
 #   bash bench/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
 #   bash bench/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
+#   bash bench/h200.sh start8b DIR        # the 8B rehearsal: DIR (.carry8b) staged, then start
+#                                         # config/rehearsal-8b.yaml, GPU memory and disk sampled
 #   bash bench/h200.sh start CONFIG       # cache, then snakemake all
 #                                         # (or the targets in $TARGETS)
 #                                         # under setsid (a killed run is unlocked and resumed)
@@ -51,6 +53,17 @@ cache)  # the staged wheels (parts joined) into fetch_wheel's cache: <cache_dir>
     echo "cached $(basename "$whl") $sha"
   done
   ;;
+start8b)  # config/rehearsal-8b.yaml: the carried folder staged, SQLAlchemy installed, started
+  cp "$2"/* /tmp/stage/
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
+  rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
+  setsid nohup nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu \
+    --format=csv,noheader -l 5 > "$RUN/gpu-memory.csv" 2>&1 < /dev/null &
+  setsid nohup bash -c 'while sleep 5; do df -B1 --output=used / | tail -1; done' \
+    > "$RUN/disk.log" 2>&1 < /dev/null &
+  bash "$0" start config/rehearsal-8b.yaml
+  ;;
 start)
   bash "$0" cache
   SMK=(python3 -m snakemake --cores all --scheduler greedy ${TARGETS:-all} --configfile "$2")
@@ -76,8 +89,14 @@ wait)
       data/stats/stats.json data/*/report.json data/tokenized/*.report.json compile/warmup.json \
       manifests/*.json logs/*.log 2>/dev/null || true)
     cp "$RUN/snakemake.log" results/logs/snakemake.run.log
-    (cd results && tar czf "$OUT/results.tgz" $files logs/snakemake.run.log)
-    if [ -e results/drafter/model.safetensors ]; then
+    cp "$RUN"/gpu-memory.csv "$RUN"/disk.log results/logs/ 2>/dev/null || true
+    (cd results && tar czf "$OUT/results.tgz" $files logs/snakemake.run.log \
+      $(ls logs/gpu-memory.csv logs/disk.log target/target.json 2>/dev/null) \
+      $(find checkpoints -name meta.json -o -name '*.jsonl' 2>/dev/null | head -20))
+    du -sh results/* results/checkpoints/* 2>/dev/null | sort -h | tail -12
+    # the drafter travels back in parts when it is small (a 135M target's); at 8B shapes it is GBs
+    if [ -e results/drafter/model.safetensors ] && \
+      [ "$(stat -c %s results/drafter/model.safetensors)" -lt 60000000 ]; then
       split -b 15000000 results/drafter/model.safetensors "$OUT/drafter.safetensors.part-"
       cp results/drafter/config.json "$OUT/drafter-config.json"
     fi

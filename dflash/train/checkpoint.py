@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -42,13 +43,25 @@ def _folders(root: Path) -> list[tuple[int, Path]]:
 def save_checkpoint(root: str | Path, step: int, state: dict, meta: dict, keep: int) -> Path:
     root = Path(root)
     final = root / f"step-{step:08d}"
+    started = time.perf_counter()
     with atomic_path(final, is_dir=True) as tmp:
         torch.save(state, tmp / "state.pt")
+        written = time.perf_counter()
         write_json(tmp / "meta.json", {**meta, "step": step})
         sums = {name: sha256_file(tmp / name) for name in ("state.pt", "meta.json")}
         (tmp / SUMS).write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
+    hashed = time.perf_counter()
     for _, old in _folders(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+    # at 8B shapes a checkpoint is ~12 GB (fp32 weights and AdamW moments): say what it cost
+    log.info(
+        "checkpoint %s: %.2f GB in %.1f s (write %.1f, sha256 %.1f)",
+        final.name,
+        (final / "state.pt").stat().st_size / 1e9,
+        hashed - started,
+        written - started,
+        hashed - written,
+    )
     return final
 
 
