@@ -113,7 +113,9 @@ def random_init_config_hash():
     if not spec:
         return None
     path = spec["config"]
-    return sha256_file(os.path.join(path, "config.json") if os.path.isdir(path) else path)
+    return sha256_file(
+        os.path.join(path, "config.json") if os.path.isdir(path) else path
+    )
 
 
 def regenerated(split):
