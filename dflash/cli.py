@@ -18,6 +18,12 @@ from dflash.errors import UserError
 
 log = logging.getLogger("dflash")
 
+EPILOG = """\
+A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
+tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
+ddtree, report, record. verify and compare read finished runs. `dflash STAGE --help` lists a
+stage's arguments; docs/workflow.md has the rule behind each."""
+
 
 def load(value: str) -> dict:
     if value.lstrip().startswith("{"):
@@ -50,8 +56,15 @@ def _add_decoding(sub, name: str, help: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="dflash",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, title="stages, in the order a run uses them", metavar="STAGE"
+    )
 
     p = _add(sub, "target", "resolve the target LLM into a plain HF directory")
     p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
@@ -81,41 +94,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(stage="dflash.model.random_target:run")
 
     p = _add(sub, "expand", "merge, normalise, dedupe, shuffle and split the chat sources")
-    p.add_argument("--train", type=Path, required=True)
-    p.add_argument("--eval", type=Path, required=True)
-    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--train", type=Path, required=True, help="training split parquet to write")
+    p.add_argument(
+        "--eval", type=Path, required=True, help="held-out split parquet to write (the eval split)"
+    )
+    p.add_argument(
+        "--report",
+        type=Path,
+        required=True,
+        help="report JSON to write: rows read, repaired and dropped per source, by reason",
+    )
     p.set_defaults(stage="dflash.data.expand:run")
 
     p = _add(sub, "regenerate", "rewrite assistant turns with the target (greedy), resumably")
     p.add_argument("--target", type=Path, required=True, help="target HF directory")
-    p.add_argument("--input", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--input", type=Path, required=True, help="an expanded split parquet")
+    p.add_argument(
+        "--output",
+        type=Path,
+        required=True,
+        help="regenerated parquet (this shard's rows) to write",
+    )
     p.add_argument(
         "--workdir",
         type=Path,
         required=True,
         help="resume state (finished batches); not a declared output",
     )
-    p.add_argument("--shard", type=int, default=0)
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument(
+        "--shard", type=int, default=0, help="which shard to run, 0 to shards-1 (default: 0)"
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="how many shards split the rows, by a hash of each row's id (default: 1)",
+    )
     p.set_defaults(stage="dflash.data.regenerate:run")
 
     p = _add(sub, "merge-shards", "merge regenerated shards back into input order")
     p.add_argument("--input", type=Path, required=True, help="the expanded split they came from")
-    p.add_argument("--shard-files", type=Path, nargs="+", required=True)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument(
+        "--shard-files",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="every shard's regenerated parquet",
+    )
+    p.add_argument("--output", type=Path, required=True, help="merged parquet to write")
     p.set_defaults(stage="dflash.data.regenerate:run_merge")
 
     p = _add(sub, "tokenize", "render with the chat template and build loss masks")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (tokenizer)")
-    p.add_argument("--input", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument(
+        "--input",
+        type=Path,
+        required=True,
+        help="a regenerated split parquet (or an expanded one when regeneration is off)",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        required=True,
+        help="tokenized parquet to write (its report JSON goes beside it)",
+    )
     p.set_defaults(stage="dflash.data.tokenization:run")
 
     p = _add(sub, "stats", "length statistics, bucket table and drift")
     p.add_argument("--input", type=Path, required=True, help="tokenized parquet")
-    p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--plot", type=Path, required=True)
+    p.add_argument("--json", type=Path, required=True, help="stats.json to write")
+    p.add_argument("--plot", type=Path, required=True, help="length histogram PNG to write")
     p.add_argument("--previous", type=Path, help="earlier stats.json to compare against")
     p.set_defaults(stage="dflash.data.stats:run")
 
@@ -164,8 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         "results/summary.md and the report's plots, from the other outputs",
         config=False,
     )
-    for name in ("stats", "metrics", "train-summary", "acceptance", "ddtree"):
-        p.add_argument(f"--{name}", type=Path, required=True)
+    for name, what in (
+        ("stats", "stats.json of the length statistics"),
+        ("metrics", "training's metrics.jsonl"),
+        ("train-summary", "training's throughput summary JSON"),
+        ("acceptance", "the evaluation's acceptance.json"),
+        ("ddtree", "the DDTree evaluation's ddtree.json"),
+    ):
+        p.add_argument(f"--{name}", type=Path, required=True, help=what)
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
     p.set_defaults(stage="dflash.eval.report:run")

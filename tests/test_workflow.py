@@ -107,6 +107,32 @@ def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow,
     assert "train" in flow.planned_jobs("train", config="local-target.yaml")
 
 
+def test_the_own_model_example_plans_the_whole_run_once_it_names_a_real_model(
+    tiny_workflow, target_dir
+):
+    """config/my-model.yaml, with target.path at a real model directory, its mask token set and
+    its data source at a real file, plans every rule of `all` (it is not run: GPU-sized)."""
+    import yaml
+
+    flow = tiny_workflow
+    config = yaml.safe_load((REPO / "config" / "my-model.yaml").read_text())
+    config["target"] |= {"path": str(target_dir), "mask_token_id": 3}
+    config["data"]["sources"][0]["path"] = "local.jsonl"
+    (flow.workdir / "my-model.yaml").write_text(yaml.safe_dump(config))
+    planned = flow.planned_jobs(
+        "all", "--config", "results=results-my-model", config="my-model.yaml"
+    )
+    assert {
+        "expand_dataset",
+        "regenerate",
+        "tokenize",
+        "train",
+        "eval_acceptance",
+        "eval_ddtree",
+    } <= (planned.keys())
+    assert "record" in planned and "target" not in planned  # a local target needs no rule
+
+
 def mermaid_edges(text: str) -> set[tuple[str, str]]:
     """(from rule, to rule) of a Mermaid flowchart, with Snakemake's `idN[name]` nodes or bare
     names."""
@@ -117,15 +143,15 @@ def mermaid_edges(text: str) -> set[tuple[str, str]]:
     return {(names.get(a, a), names.get(b, b)) for a, b in edges}
 
 
-def test_the_readme_graph_commands_run_and_its_rule_graph_is_current(tiny_workflow):
-    """The README's DAG command gives a graphviz graph, and its Mermaid picture of the rules is
-    the one `snakemake all --rulegraph mermaid-js` draws."""
+def test_the_documented_graph_commands_run_and_the_rule_graph_is_current(tiny_workflow):
+    """docs/workflow.md's DAG command gives a graphviz graph, and its Mermaid picture of the rules
+    is the one `snakemake all --rulegraph mermaid-js` draws."""
     flow = tiny_workflow
     dag = flow.run("stats", "--dag").stdout
     assert dag.lstrip().startswith("digraph") and dag.count("->") >= 5
     drawn = mermaid_edges(flow.run("all", "--rulegraph", "mermaid-js").stdout)
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("```mermaid", 1)[1].split("```", 1)[0]
+    doc = (REPO / "docs" / "workflow.md").read_text()
+    block = doc.split("```mermaid", 1)[1].split("```", 1)[0]
     assert drawn and mermaid_edges(block) == drawn
 
 
