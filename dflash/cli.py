@@ -184,7 +184,7 @@ def _add_plan(sub) -> None:
         help="the time of each stage to a drafter, measured or projected (docs/plan.md)",
         description="Print the time of regeneration, tokenization, compile warmup, training "
         "and evaluation for a target, a data size and GPUs, from the measured rates shipped in "
-        "dflash/plan_rates.py (or a finished run's own); each figure says whether it was "
+        "dflash/plan/rates.py (or a finished run's own); each figure says whether it was "
         "measured at these shapes on this GPU kind or projected, and from what.",
     )
     what = p.add_mutually_exclusive_group()

@@ -151,6 +151,10 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def render(s: dict) -> str:
     t, d, g, dr = s["target"], s["data"], s["gpus"], s["drafter"]
     kind = g["kind"].upper() + ("" if g["kind"] == "h200" else " (datasheet ratios to an H200)")
@@ -159,7 +163,7 @@ def render(s: dict) -> str:
         f"{t['forward_flops_per_token'] / 1e9:.1f} GFLOP a token forward",
         f"data     {d['samples']:,} samples x ({d['prompt_tokens']:,.0f} prompt + "
         f"{d['new_tokens']:,.0f} new tokens; {d['source']}), {s['epochs']} epoch"
-        f"{'s' * (s['epochs'] > 1)}: {d['training_tokens'] / 1e9:.2f}B training tokens",
+        f"{'s' * (s['epochs'] > 1)}: {count(d['training_tokens'])} training tokens",
         f"drafter  {dr['layers']} layers, block {dr['block_size']}, {dr['anchors']} anchors",
         f"GPUs     {g['count']} x {kind}, topology {g['topology']}",
         "",
