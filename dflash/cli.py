@@ -250,7 +250,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="MANIFEST.json or results folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.compare:run")
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="the time of each stage to a drafter, measured or projected (docs/plan.md)",
+        description="Print the time of regeneration, tokenization, compile warmup, training "
+        "and evaluation for a target, a data size and GPUs, from the measured rates shipped in "
+        "dflash/plan/rates.py (or a finished run's own); each figure says whether it was "
+        "measured at these shapes on this GPU kind or projected, and from what.",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--target", help="preset (qwen3-8b, smollm2-135m), HF dir or config.json")
+    what.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (assumed shape)")
+    p.add_argument("--samples", type=int, help="training samples (default 800,000)")
+    p.add_argument("--prompt-tokens", type=float, help="mean prompt tokens a sample (default 256)")
+    p.add_argument("--new-tokens", type=float, help="mean new tokens a sample (default 1,024)")
+    p.add_argument("--stats", help="a run's results/data/stats/stats.json for the data")
+    p.add_argument(
+        "--from-run",
+        help="a results folder: its measured rates come first, its settings are the defaults",
+    )
+    p.add_argument("--epochs", type=int, help="default 1 (--from-run: the run's)")
+    p.add_argument("--gpus", type=int, default=1, help="GPU count (default 1)")
+    p.add_argument("--gpu", default="h200", choices=["h200", "h100", "a100", "b200"])
+    p.add_argument("--topology", help="TARGETS+DRAFTERS (default 0+GPUS: colocated)")
+    p.add_argument("--anchors", type=int, help="drafter.max_anchors (default 512)")
+    p.add_argument("--drafter-layers", type=int, help="drafter.num_layers (default 5)")
+    p.add_argument("--block-size", type=int, help="drafter.block_size (default 16)")
+    p.add_argument("--max-length", type=int, help="data.max_length (default 2048)")
+    p.add_argument("--buckets", type=int, help="bucket shapes to compile (default 3)")
+    p.add_argument("--regen-batch", type=int, default=1024, help="data.regenerate.batch_size")
+    p.add_argument("--max-new-tokens", type=int, help="regeneration cap (default 2x the mean)")
+    p.add_argument("--eval-prompts", type=int, default=104)
+    p.add_argument("--eval-new-tokens", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(stage="dflash.plan:run")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,327 @@
+"""The time of each stage: a measured rate used as it is, or scaled to the plan ("projected").
+
+A stage starts from the measurement `pick` chooses. It is "measured" only where the plan's target
+shape, GPU kind and workload are the measurement's; otherwise the stage's own law scales it and
+the figure says how: training by useful FLOPs per sample, regeneration by the bandwidth roofline
+of a decoding step, evaluation by the time of a batch-1 target forward, other GPU kinds by their
+datasheet's peak (training) or bandwidth (decoding). GPU counts scale linearly (stated).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from dflash.errors import UserError
+from dflash.plan.rates import GPUS, H200_COPY_TB_S, PRESETS, RATES
+from dflash.plan.shapes import (
+    BF16,
+    Data,
+    Drafter,
+    Shape,
+    drafter_flops,
+    feature_flops,
+    sample_flops,
+)
+
+MEMORY_USE = 0.9  # the share of a GPU's memory regeneration may fill with weights and KV cache
+CLOSE = 0.05  # a workload figure within 5 % of the measurement's counts as the same
+# the most of a GPU a target's weights may take beside a training drafter: at 8B shapes the
+# colocated 0 + 1 peaked at 42.5 GB, 16.4 of them the target's (BENCHMARKS.md 2026-12-02 evening)
+TRAIN_TARGET_SHARE = 0.6
+SMALLEST_TIER = 256  # dflash.data.generation.prompt_tiers: a row's cache = tier + max_new_tokens
+
+
+@dataclass
+class Plan:
+    name: str
+    shape: Shape
+    target_source: str
+    data: Data
+    epochs: int = 1
+    gpus: int = 1
+    gpu: str = "h200"
+    targets: int = 0  # 0: colocated, every GPU a drafter that runs its own target
+    drafter: Drafter = Drafter()
+    max_length: int = 2048
+    buckets: int = 3
+    regen_batch: int = 1024
+    max_new_tokens: int = 2048
+    eval_prompts: int = 104
+    eval_new_tokens: int = 256
+    rates: list = field(default_factory=lambda: list(RATES))
+
+    @property
+    def drafters(self) -> int:
+        return self.gpus - self.targets
+
+
+@dataclass
+class Figure:
+    stage: str
+    seconds: float
+    rate: str
+    basis: str  # "measured" or "projected"
+    how: str
+    source: str
+
+
+def rate_shape(rate: dict) -> Shape:
+    t = rate["target"]
+    return Shape.from_config(PRESETS[t] if isinstance(t, str) else t, rate["source"])
+
+
+def pick(p: Plan, stage: str) -> dict:
+    """The measurement a stage starts from: the plan's own (shape, GPU kind) first, then its GPU
+    kind, then its shape; then the nearest in parameters; earlier entries win ties."""
+    usable = [r for r in p.rates if r["stage"] == stage and r["gpu"] in GPUS]
+    if not usable:
+        raise UserError(f"no measured {stage} rate to plan from")
+
+    def rank(r):
+        other = rate_shape(r)
+        return (other != p.shape, r["gpu"] != p.gpu, abs(math.log(other.params / p.shape.params)))
+
+    return min(usable, key=rank)
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= CLOSE * abs(b)
+
+
+def same_setting(rate: dict, p: Plan) -> bool:
+    return rate_shape(rate) == p.shape and rate["gpu"] == p.gpu
+
+
+def basis(measured: bool) -> str:
+    return "measured" if measured else "projected"
+
+
+def kilo(x: float) -> str:
+    return f"{x / 1e3:,.1f}K" if x >= 1e3 else f"{x:,.1f}"
+
+
+def roofline(
+    shape: Shape, gpu: str, batch: int, prompt: float, new: float, width: int = 1
+) -> tuple[float, float]:
+    """(new tokens/s, bytes per step) of decoding steps that read the weights and every row's live
+    cache (prompt + half the answer on average) at the datasheet bandwidth of `width` GPUs, or
+    that compute at their datasheet peak if that is slower."""
+    step_bytes = shape.params * BF16 + batch * (prompt + new / 2) * shape.kv_bytes
+    spec = GPUS[gpu]
+    read_s = step_bytes / (width * spec["tb_s"] * 1e12)
+    compute_s = batch * 2 * shape.params / (width * spec["tflops"] * 1e12)
+    return batch / max(read_s, compute_s), step_bytes
+
+
+def replica_width(p: Plan) -> int:
+    """GPUs one copy of the target needs to decode: its weights in at most 3/4 of the memory
+    regeneration may use (one for an 8B target on any kind here, two for 70B on an H200)."""
+    usable = GPUS[p.gpu]["gb"] * 1e9 * MEMORY_USE * 0.75
+    width = math.ceil(p.shape.params * BF16 / usable)
+    if width > p.gpus:
+        raise UserError(
+            f"--gpus {p.gpus}: the target's {p.shape.params * BF16 / 1e9:.0f} GB of weights need "
+            f"{width} x {p.gpu.upper()} to decode"
+        )
+    return width
+
+
+def fit_batch(p: Plan, width: int) -> tuple[int, str]:
+    """Rows per decoding step: --regen-batch, or fewer where their caches do not fit."""
+    prompt = max(p.data.prompt_tokens, 1)
+    tier = max(SMALLEST_TIER, 2 ** math.ceil(math.log2(prompt)))
+    reserve = f"{tier} + {p.max_new_tokens} cache tokens"
+    memory = width * GPUS[p.gpu]["gb"]
+    free = memory * 1e9 * MEMORY_USE - p.shape.params * BF16
+    fits = int(free // ((tier + p.max_new_tokens) * p.shape.kv_bytes))
+    if fits >= p.regen_batch:
+        return p.regen_batch, f"--regen-batch, rows of {reserve}"
+    return max(fits, 1), f"what fits in {MEMORY_USE:.0%} of {memory} GB: rows of {reserve}"
+
+
+def regeneration(p: Plan) -> Figure:
+    r = pick(p, "regenerate")
+    w, d = r["workload"], p.data
+    ref_roof, _ = roofline(rate_shape(r), r["gpu"], w["batch"], w["prompt_tokens"], w["new_tokens"])
+    fraction = r["value"] / ref_roof
+    width = replica_width(p)
+    batch, why = fit_batch(p, width)
+    roof, step_bytes = roofline(p.shape, p.gpu, batch, d.prompt_tokens, d.new_tokens, width)
+    measured = (
+        same_setting(r, p)
+        and batch == w["batch"]
+        and close(d.prompt_tokens, w["prompt_tokens"])
+        and close(d.new_tokens, w["new_tokens"])
+    )
+    rate = r["value"] if measured else fraction * roof  # one copy of the target
+    how = "the rate measured" if measured else (
+        f"{fraction:.2f} of the bandwidth roofline (the fraction measured, at batch {w['batch']}); "
+        f"batch {batch} ({why}); a step reads {step_bytes / 1e9:.1f} GB (weights + each row's KV "
+        f"of {d.prompt_tokens:.0f} + {d.new_tokens:.0f}/2 tokens) at {width} x "
+        f"{GPUS[p.gpu]['tb_s']} TB/s: roofline {kilo(roof)} tokens/s"
+    )  # fmt: skip
+    if width > 1:
+        how += f"; each copy split over {width} GPUs (tensor parallel, not in dflash yet: ideal)"
+    copies = p.gpus // width
+    if copies > 1:
+        how += f"; x {copies} copies, a shard each"
+    seconds = d.samples * d.new_tokens / (rate * copies)
+    rate_text = f"{kilo(rate / width)} new tokens/s per GPU"
+    return Figure("regeneration", seconds, rate_text, basis(measured), how, r["source"])
+
+
+def tokenization(p: Plan) -> Figure:
+    r = pick(p, "tokenize")
+    measured = rate_shape(r) == p.shape  # CPU work: the tokenizer matters, not the GPU
+    seconds = p.data.samples * (p.data.prompt_tokens + p.data.new_tokens) / r["value"]
+    how = "on the host's CPUs at the rate measured"
+    if not measured:
+        how += " with another target's tokenizer, taken as it is"
+    rate = f"{kilo(r['value'])} tokens/s, {r['workload']['num_proc']} processes"
+    return Figure("tokenization", seconds, rate, basis(measured), how, r["source"])
+
+
+def warmup(p: Plan) -> Figure:
+    r = pick(p, "warmup")
+    w = r["workload"]
+    seconds = max(w["later_s"] * p.buckets, r["value"] + (p.buckets - w["shapes"]) * w["later_s"])
+    measured = same_setting(r, p) and p.buckets == w["shapes"]
+    how = (
+        f"{r['value']} s measured for {w['shapes']} shape{'s' * (w['shapes'] > 1)}, "
+        f"{w['later_s']} s a further one; {p.buckets} bucket shapes (--buckets); compiling is "
+        "host work, taken as it is on other GPU kinds; runs beside regeneration"
+    )
+    shapes = f"{p.buckets} bucket shapes"
+    return Figure("compile warmup", seconds, shapes, basis(measured), how, r["source"])
+
+
+def useful_flop_rate(r: dict, stage: str) -> tuple[float, str]:
+    """A measurement's useful FLOP/s (its tokens/s times its FLOPs per token), and its words."""
+    w, shape = r["workload"], rate_shape(r)
+    n, prompt = w["length"], w["prompt"]
+    d = Drafter(w["drafter_layers"], w["block_size"], w["anchors"])
+    flops = {
+        "train": sample_flops(shape, d, n, prompt),
+        "features": feature_flops(shape, n),
+        "drafter_step": drafter_flops(shape, d, n, prompt),
+    }[stage]
+    rate = r["value"] * flops / n
+    words = (
+        f"{kilo(r['value'])} tokens/s measured at {n:,.0f} tokens and {w['anchors']} anchors "
+        f"= {rate / 1e12:.0f} TFLOP/s useful"
+    )
+    return rate, words
+
+
+def training(p: Plan) -> Figure:
+    n, prompt = p.data.length(p.max_length), p.data.prompt_tokens
+    per_sample = sample_flops(p.shape, p.drafter, n, prompt)
+    if p.targets == 0:
+        r = pick(p, "train")
+        flop_s, words = useful_flop_rate(r, "train")
+        samples_s = p.gpus * flop_s * peak_ratio(r["gpu"], p.gpu) / per_sample
+        w = r["workload"]
+        measured = (
+            same_setting(r, p)
+            and (w["anchors"], w["drafter_layers"], w["block_size"]) == astuple_drafter(p.drafter)
+            and close(n, w["length"])
+        )
+        how = f"colocated 0 + {p.gpus}: {p.gpus} x one GPU's rate (linear)"
+    else:
+        halves, sources = [], []
+        for stage, flops in (
+            ("features", feature_flops(p.shape, n)),
+            ("drafter_step", drafter_flops(p.shape, p.drafter, n, prompt)),
+        ):
+            r = pick(p, stage)
+            count = p.targets if stage == "features" else p.drafters
+            flop_s, part = useful_flop_rate(r, stage)
+            halves.append((count * flop_s * peak_ratio(r["gpu"], p.gpu) / flops, f"{stage} {part}"))
+            sources.append(r["source"])
+        samples_s = min(rate for rate, _ in halves)
+        words = "; ".join(part for _, part in halves) + " (each alone: no transfer or waiting)"
+        measured, r = False, {**r, "source": "; ".join(sources)}
+        how = f"{p.targets} + {p.drafters}: the slower of the target and the drafter GPUs"
+    if not measured:
+        how += (
+            f"; scaled by useful FLOPs per sample ({per_sample / 1e12:.1f} TFLOP at {n:,.0f} "
+            f"tokens and {p.drafter.anchors} anchors): {words}"
+        )
+    if p.gpu != r["gpu"]:
+        how += f"; x {peak_ratio(r['gpu'], p.gpu):.2f} datasheet bf16 peak {r['gpu']} -> {p.gpu}"
+    if p.shape.params * BF16 > TRAIN_TARGET_SHARE * GPUS[p.gpu]["gb"] * 1e9:
+        how += (
+            f"; NB dflash train holds a whole target on each {'GPU' if p.targets == 0 else 'target GPU'}: "
+            f"{p.shape.params * BF16 / 1e9:.0f} GB of weights beside the drafter do not fit "
+            f"{GPUS[p.gpu]['gb']} GB (the time assumes they did)"
+        )
+    startup = pick(p, "startup")
+    how += f"; + {startup['value']} s from process start to the first step"
+    seconds = p.data.samples * p.epochs / samples_s + startup["value"]
+    rate = f"{kilo(samples_s * n / p.gpus)} tokens/s per GPU"
+    return Figure("training", seconds, rate, basis(measured), how, r["source"])
+
+
+def astuple_drafter(d: Drafter) -> tuple[int, int, int]:
+    return d.anchors, d.layers, d.block_size
+
+
+def peak_ratio(src: str, dst: str) -> float:
+    return GPUS[dst]["tflops"] / GPUS[src]["tflops"]
+
+
+def forward_s(shape: Shape, gpu: str, launch_s: float, width: int = 1) -> float:
+    """A batch-1 target forward: its weights read at the copy bandwidth measured on an H200
+    (scaled by datasheet bandwidth on other kinds, over `width` GPUs), or the launch-bound time
+    measured, whichever is longer."""
+    copy = width * H200_COPY_TB_S * 1e12 * GPUS[gpu]["tb_s"] / GPUS["h200"]["tb_s"]
+    return max(launch_s, shape.params * BF16 / copy)
+
+
+def evaluation(p: Plan) -> Figure:
+    r = pick(p, "eval")
+    w = r["workload"]
+    launch_s = 1 / w["target_tokens_per_s"]
+    width = replica_width(p)
+    ratio = forward_s(p.shape, p.gpu, launch_s, width) / forward_s(
+        rate_shape(r), r["gpu"], launch_s
+    )
+    scale = p.eval_prompts / w["prompts"] * p.eval_new_tokens / w["new_tokens"]
+    measured = same_setting(r, p) and scale == 1
+    how = (
+        f"{r['value']:.0f} s measured for {w['prompts']} prompts x {w['new_tokens']} new tokens; "
+        f"x {scale:.2f} for {p.eval_prompts} x {p.eval_new_tokens} (--eval-prompts, "
+        f"--eval-new-tokens); x {ratio:.2f} for a batch-1 target forward (the larger of the "
+        f"{launch_s * 1e3:.1f} ms measured and the weights read at the copy bandwidth)"
+    )
+    how += f"; one copy of the target on {width} GPU{'s' * (width > 1)}"
+    seconds = r["value"] * scale * ratio
+    return Figure("evaluation", seconds, "batch 1, one copy", basis(measured), how, r["source"])
+
+
+STAGES = (regeneration, tokenization, warmup, training, evaluation)
+
+
+def summarize(p: Plan) -> dict:
+    figures = [stage(p) for stage in STAGES]
+    by = {f.stage: f.seconds for f in figures}
+    overlapped = max(by["regeneration"], by["compile warmup"])
+    total = overlapped + by["tokenization"] + by["training"] + by["evaluation"]
+    n = p.data.length(p.max_length)
+    return {
+        "target": {
+            "name": p.name,
+            "source": p.target_source,
+            "shape": asdict(p.shape),
+            "params": p.shape.params,
+            "forward_flops_per_token": p.shape.forward_flops(n) / n,
+        },
+        "data": asdict(p.data) | {"training_tokens": p.data.samples * n * p.epochs},
+        "epochs": p.epochs,
+        "gpus": {"count": p.gpus, "kind": p.gpu, "topology": f"{p.targets}+{p.drafters}"},
+        "drafter": asdict(p.drafter),
+        "stages": [asdict(f) for f in figures],
+        "total_s": total,
+        "total_note": "the compile warmup runs beside regeneration: the longer of the two counts",
+    }
