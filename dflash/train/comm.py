@@ -196,11 +196,15 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
     drafter_ranks = [topology.drafter_rank(d) for d in range(topology.drafters)]
     group = dist.new_group(drafter_ranks) if topology.drafters > 1 else None
     target_group = None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if topology.target_shards > 1:
         for g in range(topology.target_groups):
             ranks = topology.group_ranks(g)
             made = dist.new_group(ranks)
             target_group = made if rank in ranks else target_group
+            if rank == ranks[0] and ranks[0] // per_node != ranks[-1] // per_node:
+                # two all-reduces per layer between nodes: far slower than NVLink
+                log.warning("target group %d (ranks %s) spans two nodes", g, ranks)
     store = dist.distributed_c10d._get_default_store()
     heartbeat = Heartbeat(store, rank)
     return Dist(
