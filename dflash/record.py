@@ -112,7 +112,8 @@ def data_summary(stats: dict) -> dict:
 
 def train_summary(summary: dict, metrics: list[dict]) -> dict:
     last = metrics[-1] if metrics else {}
-    world = sum(summary.get("topology", {}).values()) or 1
+    topology = summary.get("topology", {})
+    world = topology.get("targets", 0) + topology.get("drafters", 0) or 1
     throughput = {
         k: summary.get(k)
         for k in (

@@ -262,7 +262,8 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     lines = (flow.results / "train/metrics.jsonl").read_text().splitlines()
     assert lines and json.loads(lines[-1])["step"] == len(lines)
     summary = json.loads((flow.results / "train/summary.json").read_text())
-    assert summary["topology"] == {"targets": 1, "drafters": 1}  # torchrun, 2 processes
+    topology = {"targets": 1, "drafters": 1, "target_shards": 1}
+    assert summary["topology"] == topology  # torchrun, 2 processes
     assert summary["bottleneck"] in {"targets", "drafters"}
     assert flow.planned_jobs("train") == {}
 

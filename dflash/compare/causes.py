@@ -35,7 +35,10 @@ def topology_cause(a, b) -> dict | None:
     ta, tb = a.get("topology") or {}, b.get("topology") or {}
     if not ta or not tb:
         return None  # not recorded on one side: unknown, not changed
-    changed = [k for k in ("drafters", "targets", "nnodes", "device") if ta.get(k) != tb.get(k)]
+    # records from before target sharding had one rank per target
+    ta, tb = {"target_shards": 1} | ta, {"target_shards": 1} | tb
+    keys = ("drafters", "targets", "target_shards", "nnodes", "device")
+    changed = [k for k in keys if ta.get(k) != tb.get(k)]
     if not changed:
         return None
     details = [f"{k}: {fmt(ta.get(k))} → {fmt(tb.get(k))}" for k in changed]

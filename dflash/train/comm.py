@@ -53,6 +53,7 @@ class Dist:
     rank: int
     device: torch.device
     drafter_group: object | None = None
+    target_group: object | None = None  # this rank's sharded-target group (target_shards > 1)
     timeout_s: float = 60.0
     startup_timeout_s: float = 900.0
     store: object | None = None  # the rendezvous store, where heartbeats are kept
@@ -76,6 +77,14 @@ class Dist:
     @property
     def distributed(self) -> bool:
         return self.topology.world > 1
+
+    def target_mesh(self):
+        """The device mesh this rank's sharded target spans (None: a whole target)."""
+        if self.target_group is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.target_group, self.device.type)
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank (all ranks call this)."""
@@ -186,6 +195,16 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
     # Every rank must create every group, in the same order.
     drafter_ranks = [topology.drafter_rank(d) for d in range(topology.drafters)]
     group = dist.new_group(drafter_ranks) if topology.drafters > 1 else None
+    target_group = None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if topology.target_shards > 1:
+        for g in range(topology.target_groups):
+            ranks = topology.group_ranks(g)
+            made = dist.new_group(ranks)
+            target_group = made if rank in ranks else target_group
+            if rank == ranks[0] and ranks[0] // per_node != ranks[-1] // per_node:
+                # two all-reduces per layer between nodes: far slower than NVLink
+                log.warning("target group %d (ranks %s) spans two nodes", g, ranks)
     store = dist.distributed_c10d._get_default_store()
     heartbeat = Heartbeat(store, rank)
     return Dist(
@@ -193,6 +212,7 @@ def init(topology: Topology, device_name: str, timeout_s: float, startup_timeout
         rank,
         device,
         drafter_group=group if rank in drafter_ranks else None,
+        target_group=target_group,
         timeout_s=timeout_s,
         startup_timeout_s=startup_timeout_s,
         store=store,
@@ -261,6 +281,18 @@ def _wait(work, ctx: Dist, what: str, started: bool, peer: int) -> None:
             )
     except RuntimeError as e:
         raise PeerError(f"{ctx.name}: {what}: {str(e).splitlines()[0][:300]}") from None
+
+
+def send(ctx: Dist, tensor: torch.Tensor, dst: int, what: str) -> None:
+    """One blocking send outside the feature links, bounded like them (start-up timeout)."""
+    _wait(dist.isend(tensor.contiguous(), dst), ctx, what, started=False, peer=dst)
+
+
+def receive(ctx: Dist, shape, dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+    """The matching receive."""
+    tensor = torch.empty(shape, dtype=dtype, device=ctx.device)
+    _wait(dist.irecv(tensor, src), ctx, what, started=False, peer=src)
+    return tensor
 
 
 class FeatureSender:

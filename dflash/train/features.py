@@ -1,5 +1,7 @@
 """The frozen target on a training rank: the drafter's config for it, its features (bf16), and the
-held-out slice `tau_sim` is logged on."""
+held-out slice `tau_sim` is logged on. A target sharded over a group of target ranks
+(`train.topology.target_shards`, `dflash.train.shard`) gives the same features on every rank of
+its group."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from dflash.model.drafter import DrafterConfig
 from dflash.model.precision import native_bf16
 from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
 from dflash.model.tau_sim import capped, simulate, tau_macro
+from dflash.train import comm
+from dflash.train.shard import load_sharded
 from dflash.train.telemetry import sync
 
 log = logging.getLogger(__name__)
@@ -57,11 +61,16 @@ def out_of_memory_hint(what: str, ids: torch.Tensor, config: dict):
 class FeatureModel:
     """A frozen target truncated to the drafter's layers (whole, with its output appended, when
     distilling); features in bf16. With `compile.enabled` and `compile.target` its decoder layer
-    is compiled: batches then come in their buckets' fixed shapes (`Batches.shape`)."""
+    is compiled: batches then come in their buckets' fixed shapes (`Batches.shape`).
+
+    `target`: the causal LM, or its `TargetFeatures` already built (a sharded target)."""
 
     def __init__(self, target, layer_ids: list[int], device: torch.device, config):
         distill = config["train"]["distill"] > 0
-        self.features = TargetFeatures(target, layer_ids, with_output=distill)
+        if isinstance(target, TargetFeatures):
+            self.features = target
+        else:
+            self.features = TargetFeatures(target, layer_ids, with_output=distill)
         # what the drafter reads: the target layers' part of the features
         self.drafter_width = len(layer_ids) * self.features.embed_tokens.weight.shape[1]
         self.device, self.config = device, config
@@ -76,8 +85,15 @@ class FeatureModel:
         )
 
     @classmethod
-    def load(cls, target_dir: Path, layer_ids: list[int], device: torch.device, config):
-        target = load_target(target_dir, dtype=target_dtype(device), device=device)
+    def load(cls, target_dir: Path, layer_ids: list[int], device: torch.device, config, mesh=None):
+        """The target from its folder: whole, or with its layers sharded over `mesh` (each rank
+        reads only its slices)."""
+        dtype = target_dtype(device)
+        if mesh is not None:
+            distill = config["train"]["distill"] > 0
+            target = load_sharded(target_dir, mesh, layer_ids, device, dtype, with_output=distill)
+        else:
+            target = load_target(target_dir, dtype=dtype, device=device)
         return cls(target, layer_ids, device, config)
 
     def queue(self, ids, attention=None, compiled: bool = True) -> torch.Tensor:
@@ -119,19 +135,41 @@ class FeatureModel:
             return []
 
 
+def held_out_rows(path: Path, rows: int) -> list[tuple[list[int], list[int]]]:
+    """(input ids, loss mask) of the held-out slice's rows."""
+    frame = pl.read_parquet(path).head(rows)
+    return [(list(i), list(m)) for i, m in zip(frame["input_ids"], frame["loss_mask"], strict=True)]
+
+
 class HeldOut:
     """The fixed held-out slice `tau_sim` is logged on: the first rows of the tokenized eval
     split and their target features, computed once (by a target loaded for the purpose when this
-    rank has none) and kept on the host."""
+    rank has none, or by target group 0 when the target is sharded) and kept on the host."""
 
-    def __init__(self, path: Path, rows: int, model: FeatureModel):
-        frame = pl.read_parquet(path).head(rows)
+    def __init__(self, path: Path, rows: int, model):
         self.rows = []
-        for ids, mask in zip(frame["input_ids"], frame["loss_mask"], strict=True):
-            ids_t = torch.tensor([list(ids)], device=model.device)
+        for ids, mask in held_out_rows(path, rows):
+            ids_t = torch.tensor([ids], device=model.device)
             feats, _ = model(ids_t, compiled=False)  # one shape per row: not worth compiling
             feats = feats[..., : model.drafter_width]
-            self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(list(mask))))
+            self.rows.append((feats.cpu(), ids_t[0].cpu(), torch.tensor(mask)))
+
+    @classmethod
+    def load(cls, ctx: comm.Dist, config, target_dir: Path, dcfg, path: Path, target=None):
+        """Drafter 0's held-out slice: its own target's features, a whole target's loaded for the
+        purpose, or, when no rank holds the whole target, those target group 0 sends
+        (`send_held_out`)."""
+        rows, layer_ids = config["train"]["tau_sim"]["rows"], dcfg.target_layer_ids
+        if ctx.topology.target_shards > 1:
+            leader = ctx.topology.group_ranks(0)[0]
+            width = len(layer_ids) * dcfg.hidden_size
+            return cls(path, rows, ReceivedFeatures(ctx, leader, width))
+        model = target or FeatureModel.load(target_dir, layer_ids, ctx.device, config)
+        held_out = cls(path, rows, model)
+        del model
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return held_out
 
     def tau_sim(self, drafter, embed, head, dtype: torch.dtype, max_new_tokens: int) -> dict:
         """Simulated real-decoding τ of the drafter as it is now: `tau_sim` over every turn's
@@ -147,3 +185,28 @@ class HeldOut:
             every += responses
             first += [capped(responses[0], max_new_tokens)] if responses else []
         return {"tau_sim": tau_macro(every), "tau_sim_first": tau_macro(first)}
+
+
+class ReceivedFeatures:
+    """The held-out rows' features as target group 0's leader sends them, in row order: what
+    `HeldOut` reads from a `FeatureModel`."""
+
+    def __init__(self, ctx: comm.Dist, src: int, drafter_width: int):
+        self.ctx, self.src, self.drafter_width = ctx, src, drafter_width
+        self.device = ctx.device
+
+    def __call__(self, ids: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, float]:
+        shape = (*ids.shape, self.drafter_width)
+        what = "receiving the held-out slice's features"
+        return comm.receive(self.ctx, shape, torch.bfloat16, self.src, what), 0.0
+
+
+def send_held_out(ctx: comm.Dist, model: FeatureModel, path: Path, rows: int) -> None:
+    """Target group 0 (every rank of it runs the forward) computes the held-out rows' features;
+    its leader sends them to drafter 0, the rank that logs tau_sim."""
+    leader = ctx.rank == ctx.topology.leader(ctx.rank)
+    for ids, _ in held_out_rows(path, rows):
+        feats, _ = model(torch.tensor([ids], device=model.device), compiled=False)
+        if leader:
+            feats = feats[..., : model.drafter_width]
+            comm.send(ctx, feats, ctx.topology.drafter_rank(0), "sending the held-out features")

@@ -33,7 +33,7 @@ from dflash.model.drafter import save_drafter
 from dflash.stages import TRAINING_CODE
 from dflash.train import comm
 from dflash.train.batches import Batches
-from dflash.train.features import FeatureModel, drafter_config
+from dflash.train.features import FeatureModel, drafter_config, send_held_out
 from dflash.train.runs import Trace, resume_point
 from dflash.train.telemetry import summarize
 from dflash.train.topology import Topology
@@ -42,16 +42,25 @@ from dflash.train.trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpoints: Path):
-    """A target rank: compute features for its batches and send them, `queue_depth` ahead."""
+def serve_features(
+    ctx: comm.Dist, config, target_dir, batches: Batches, checkpoints: Path, held_out
+):
+    """A target rank: compute features for its batches and send them, `queue_depth` ahead. With
+    a sharded target every rank of a group computes its group's batches and the leader sends."""
     dcfg = drafter_config(config, target_dir)
-    model = FeatureModel.load(target_dir, dcfg.target_layer_ids, ctx.device, config)
+    mesh = ctx.target_mesh()
+    model = FeatureModel.load(target_dir, dcfg.target_layer_ids, ctx.device, config, mesh)
+    topo = ctx.topology
+    sim = config["train"]["tau_sim"]
+    if mesh is not None and held_out is not None and sim["every"] > 0:
+        if topo.leader(ctx.rank) == topo.group_ranks(0)[0]:  # no rank holds the whole target
+            send_held_out(ctx, model, held_out, sim["rows"])
     # every shape before serving, so no compile stalls the drafters mid-run
     model.compile_shapes(batches.shapes())
     start = resume_point(ctx, checkpoints, None)
     sender = comm.FeatureSender(ctx, config["train"]["queue_depth"])
     trace = Trace(Path(start["run"]) / "telemetry", ctx.rank)
-    topo = ctx.topology
+    leader = topo.leader(ctx.rank) == ctx.rank
     for epoch in range(start["epoch"], config["train"]["epochs"]):
         plan = batches.plan(epoch)
         first = start["position"] if epoch == start["epoch"] else 0
@@ -62,6 +71,9 @@ def serve_features(ctx: comm.Dist, config, target_dir, batches: Batches, checkpo
             feats, _ = model(ids)  # waits for the device: compute_s is the target's busy time
             tokens = batches.tokens(rows)
             compute_s = time.perf_counter() - started  # batch assembly + forward: the busy time
+            if not leader:  # a shard: its group's leader sends the features
+                trace(epoch=epoch, batch=i, compute_s=compute_s)
+                continue
             sent = sender.send(i, topo.dest_rank(i), feats, compute_s, tokens)
             trace(epoch=epoch, batch=i, dst=topo.dest_rank(i), compute_s=compute_s, **sent)
     sender.drain()
@@ -102,7 +114,7 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
     batches = Batches(config, args.data)
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     if ctx.role[0] == "target":
-        serve_features(ctx, config, args.target, batches, args.checkpoints)
+        serve_features(ctx, config, args.target, batches, args.checkpoints, args.held_out)
         return
     trainer = Trainer(ctx, config, args.target, batches, args.checkpoints, args.held_out)
     built_s = process_age_s()

@@ -97,13 +97,7 @@ class Trainer:
             self.receiver = comm.FeatureReceiver(ctx, torch.bfloat16)
         self.held_out = None
         if held_out is not None and t["tau_sim"]["every"] > 0 and ctx.rank == 0:
-            model = self.target or FeatureModel.load(
-                target_dir, self.dcfg.target_layer_ids, self.device, config
-            )
-            self.held_out = HeldOut(held_out, t["tau_sim"]["rows"], model)
-            del model
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.held_out = HeldOut.load(ctx, config, target_dir, self.dcfg, held_out, self.target)
         torch.manual_seed(config["seed"])  # every drafter starts from the same weights
         # drawn on the device: on the host, an 8B target's 5-layer drafter (1B parameters)
         # took 9 to 14 s to initialise on an H200 box, a third of a warm start
