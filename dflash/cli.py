@@ -71,28 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--info", type=Path, required=True, help="target facts JSON (mask token, ...)")
     p.set_defaults(stage="dflash.model.convert:run")
 
-    p = _add(
-        sub,
-        "random-target",
-        "write a rehearsal target: random seeded weights of a public config, a real tokenizer",
-        config=False,
-    )
-    p.add_argument(
-        "--model-config",
-        type=Path,
-        required=True,
-        help="transformers config.json (or a folder holding one), e.g. bench/qwen3-8b-config",
-    )
-    p.add_argument(
-        "--tokenizer", type=Path, required=True, help="folder with the tokenizer's files"
-    )
-    p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
-    p.add_argument("--seed", type=int, default=0, help="torch seed of the weights (default 0)")
-    p.add_argument(
-        "--device", default="auto", help="where to draw the weights (auto: cuda if present)"
-    )
-    p.set_defaults(stage="dflash.model.random_target:run")
-
     p = _add(sub, "expand", "merge, normalise, dedupe, shuffle and split the chat sources")
     p.add_argument("--train", type=Path, required=True, help="training split parquet to write")
     p.add_argument(
@@ -250,6 +228,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="MANIFEST.json or results folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.compare:run")
+    p = _add(
+        sub,
+        "random-target",
+        "write a rehearsal target: random seeded weights of a public config, a real tokenizer",
+        config=False,
+    )
+    p.add_argument(
+        "--model-config",
+        type=Path,
+        required=True,
+        help="transformers config.json (or a folder holding one), e.g. bench/qwen3-8b-config",
+    )
+    p.add_argument(
+        "--tokenizer", type=Path, required=True, help="folder with the tokenizer's files"
+    )
+    p.add_argument("--out", type=Path, required=True, help="HF model directory to create")
+    p.add_argument("--seed", type=int, default=0, help="torch seed of the weights (default 0)")
+    p.add_argument(
+        "--device", default="auto", help="where to draw the weights (auto: cuda if present)"
+    )
+    p.set_defaults(stage="dflash.model.random_target:run")
+
     _add_plan(sub)
     return parser
 
@@ -276,7 +276,12 @@ def _add_plan(sub) -> None:
     )
     p.add_argument("--epochs", type=int, help="default 1 (--from-run: the run's)")
     p.add_argument("--gpus", type=int, default=1, help="GPU count (default 1)")
-    p.add_argument("--gpu", default="h200", choices=["h200", "h100", "a100", "b200"])
+    p.add_argument(
+        "--gpu",
+        default="h200",
+        choices=["h200", "h100", "a100", "b200"],
+        help="GPU kind (measured rates are H200's; others scaled by datasheet, labelled)",
+    )
     p.add_argument("--topology", help="TARGETS+DRAFTERS (default 0+GPUS: colocated)")
     p.add_argument("--anchors", type=int, help="drafter.max_anchors (default 512)")
     p.add_argument("--drafter-layers", type=int, help="drafter.num_layers (default 5)")
@@ -285,8 +290,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--buckets", type=int, help="bucket shapes to compile (default 3)")
     p.add_argument("--regen-batch", type=int, default=1024, help="data.regenerate.batch_size")
     p.add_argument("--max-new-tokens", type=int, help="regeneration cap (default 2x the mean)")
-    p.add_argument("--eval-prompts", type=int, default=104)
-    p.add_argument("--eval-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--eval-prompts", type=int, default=104, help="prompts the evaluation decodes (104)"
+    )
+    p.add_argument(
+        "--eval-new-tokens", type=int, default=256, help="eval.max_new_tokens (default 256)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.plan:run")
 

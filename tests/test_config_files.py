@@ -32,6 +32,7 @@ def test_the_own_model_example_writes_out_every_key_a_user_sets():
         "target.hub_id",
         "target.revision",
         "target.gguf_wheel",
+        "target.random_init",
         "data.regenerate.device",
         "compile.cache_dir",
         "compile.device",
