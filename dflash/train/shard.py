@@ -37,6 +37,7 @@ from torch import nn
 
 from dflash.errors import UserError
 from dflash.model.decoder import static_layout
+from dflash.model.memory import require_target_fits
 
 KEY = "train.topology.target_shards"
 COLUMN = (
@@ -95,6 +96,7 @@ def load_sharded(path: str | Path, mesh, layer_ids: list[int], device, dtype, wi
 
     config = AutoConfig.from_pretrained(path)
     check_shardable(config, mesh.size())
+    require_target_fits(path, dtype, device, "a target rank", shards=mesh.size())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     prefix = {id(m): n for n, m in model.named_modules()}
