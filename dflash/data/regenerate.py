@@ -33,6 +33,7 @@ from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
 from dflash.model.decoder import supports_static
+from dflash.model.memory import peak_memory_gb
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         "turns_dropped_past_max_length_this_run": counts["dropped_turns"],
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(counts["new_tokens"] / elapsed, 1) if elapsed else None,
+        "peak_memory_gb": peak_memory_gb(),
     }
     log.info("regenerate: %s", rate)
     for tier in tiers:  # where the static engine's time went

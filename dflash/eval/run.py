@@ -59,6 +59,7 @@ from dflash.gpus import claim_gpu
 from dflash.io import sha256_file, write_json
 from dflash.manifest import write_manifest
 from dflash.model.drafter import Drafter, load_drafter
+from dflash.model.memory import peak_memory_gb
 from dflash.model.precision import resolve_dtype
 from dflash.model.step import resolve_device
 from dflash.model.target import load_target
@@ -339,6 +340,7 @@ def run(args) -> None:
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
     _manifest(args)
+    log.info("peak GPU memory: %s GB", peak_memory_gb())
     sim = record["tau_sim"]
     match = sim.get("matching_rows", {})
     log.info(
@@ -408,5 +410,6 @@ def run_ddtree(args) -> None:
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
     _manifest(args)
+    log.info("peak GPU memory: %s GB", peak_memory_gb())
     for r in rows:
         log.info("%s", {k: v for k, v in r.items() if k != "sets"})

@@ -66,3 +66,12 @@ def require_target_fits(
             f"across target ranks with {SHARD_KEY} (training), or use GPUs with more memory."
         )
     return need
+
+
+def peak_memory_gb() -> float | None:
+    """The most GPU memory this process has allocated (GB), on whichever GPU it used."""
+    if not torch.cuda.is_available():
+        return None
+    return round(
+        max(map(torch.cuda.max_memory_allocated, range(torch.cuda.device_count()))) / 1e9, 1
+    )

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import UserError
+from dflash.model.memory import peak_memory_gb
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def build_random_target(
         "device": device,
         "init_s": round(init_s, 1),
         "write_s": round(time.perf_counter() - started - init_s, 1),
+        "peak_memory_gb": peak_memory_gb(),
     }
     log.info("random target: %s", made)
     return made
