@@ -56,7 +56,7 @@ from dflash.eval.metrics import acceptance
 from dflash.eval.predicted import simulated, teacher_forced_tau
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.gpus import claim_gpu
-from dflash.io import sha256_file, write_json
+from dflash.io import sha256_file, sha256_json, write_json
 from dflash.manifest import write_manifest
 from dflash.model.drafter import Drafter, load_drafter
 from dflash.model.memory import peak_memory_gb
@@ -178,7 +178,7 @@ class Setup:
         self.max_new = config["eval"]["max_new_tokens"]
         self.sha = {
             "drafter_sha256": sha256_file(Path(args.drafter) / "model.safetensors"),
-            "target_sha256": sha256_file(Path(args.target) / "model.safetensors"),
+            "target_sha256": weights_sha256(Path(args.target)),
         }
 
     def reference(self) -> list[Generation]:
@@ -294,6 +294,15 @@ def _manifest(args) -> None:
             params=args.config,
             code=(__name__,),
         )
+
+
+def weights_sha256(folder: Path) -> str:
+    """sha256 of a model's weights: of its model.safetensors, or over every shard's sha256 for a
+    large model saved in shards (model-00001-of-00004.safetensors, ...)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if [f.name for f in files] == ["model.safetensors"]:
+        return sha256_file(files[0])
+    return sha256_json({f.name: sha256_file(f) for f in files})
 
 
 def run(args) -> None:
