@@ -2,11 +2,13 @@ import pytest
 import torch
 
 from dflash.train.checkpoint import (
+    BackgroundCheckpoints,
     ContractError,
     check_contract,
     latest_valid,
     load_state,
     save_checkpoint,
+    verify,
 )
 
 
@@ -52,3 +54,29 @@ def test_contract_mismatch_names_the_keys(tmp_path):
     check_contract({"block_size": 16}, {"block_size": 16}, tmp_path)
     with pytest.raises(ContractError, match=r"block_size: checkpoint 16 != now 8"):
         check_contract({"block_size": 16, "gamma": 7}, {"block_size": 8, "gamma": 7}, tmp_path)
+
+
+def test_a_background_checkpoint_holds_the_state_as_it_was_when_saved(tmp_path):
+    """The step goes on while the thread writes: the checkpoint must be the state at the save,
+    not whatever the optimizer made of the live tensors since."""
+    writer = BackgroundCheckpoints()
+    live = state(1)
+    writer.save(tmp_path, 1, live, {"epoch": 0}, keep=2)
+    live["model"]["w"].add_(100.0)  # the next optimizer step, in place
+    writer.save(tmp_path, 2, live, {"epoch": 0}, keep=2)  # waits for the first write
+    writer.wait()
+    assert torch.equal(load_state(tmp_path / "step-00000001")["model"]["w"], torch.ones(3))
+    assert torch.equal(
+        load_state(tmp_path / "step-00000002")["model"]["w"], torch.full((3,), 101.0)
+    )
+    folder, meta = latest_valid(tmp_path)  # sha256 hashed while writing matches the file
+    assert folder.name == "step-00000002" and verify(folder) is None
+
+
+def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
+    writer = BackgroundCheckpoints()
+    writer.save(tmp_path, 1, {"bad": _Unpicklable()}, {}, keep=2)
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        writer.wait()
+    writer.wait()  # reported once
+    assert latest_valid(tmp_path) is None

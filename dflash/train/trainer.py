@@ -27,7 +27,7 @@ from dflash.stages import TRAINING_CODE
 from dflash.train import comm
 from dflash.train.batches import batch_generator
 from dflash.train.board import Board
-from dflash.train.checkpoint import load_state, save_checkpoint
+from dflash.train.checkpoint import BackgroundCheckpoints, load_state
 from dflash.train.features import (
     FeatureModel,
     HeldOut,
@@ -80,6 +80,7 @@ class Trainer:
         held_out: Path | None = None,
     ):
         self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
+        self.writer = BackgroundCheckpoints()
         t, d, data = config["train"], config["drafter"], config["data"]
         self.topo = ctx.topology
         self.device = ctx.device
@@ -204,7 +205,7 @@ class Trainer:
         }
         meta = {"epoch": self.epoch, "position": self.position, "contract": self.contract}
         keep = self.config["train"]["keep_checkpoints"]
-        save_checkpoint(self.run, self.step, state, meta, keep)
+        self.writer.save(self.run, self.step, state, meta, keep)
 
     def features(self, plan, mine: list[int]):
         """(batch, tensors, features, link stats, seconds waited) for this rank's batches. The
@@ -260,8 +261,10 @@ class Trainer:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
             with watch_syncs(self.device):
                 self._train_epochs(live, trace)
+            self.writer.wait()  # the last checkpoint is on disk before the run counts as done
             failed = False
         finally:
+            self.writer.wait(raise_error=False)
             if self.ctx.rank == 0:
                 if hasattr(self, "host"):
                     self.host.close()
