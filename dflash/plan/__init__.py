@@ -111,6 +111,8 @@ def settings_of(args) -> dict:
         out[key] = given if given is not None else run.get(key, default)
         if out[key] < 1:
             raise UserError(f"--{key.replace('_', '-')}: need at least 1, got {out[key]}")
+    if "max_new_tokens" in run:  # the run's regeneration cap, unless --max-new-tokens
+        out["max_new_tokens"] = run["max_new_tokens"]
     return out
 
 
@@ -136,7 +138,9 @@ def build(args) -> Plan:
         max_length=s["max_length"],
         buckets=s["buckets"],
         regen_batch=args.regen_batch,
-        max_new_tokens=args.max_new_tokens or 2 * 128 * math.ceil(data.new_tokens / 128),
+        max_new_tokens=args.max_new_tokens
+        or s.get("max_new_tokens")
+        or 2 * 128 * math.ceil(data.new_tokens / 128),
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
         rates=rates,

@@ -25,6 +25,7 @@ from dflash.plan.rates import GPUS
 from dflash.plan.shapes import Data, data_from_stats
 
 REGENERATE_LINE = re.compile(r"regenerate: (\{.*\})\s*$")
+TIER_LINE = re.compile(r"regenerate: prompt tier \{")
 
 
 def gpu_kind(manifest: dict) -> str:
@@ -84,6 +85,9 @@ def run_settings(results: Path) -> dict:
             "max_length": data.get("max_length"),
             "epochs": params.get("train", {}).get("epochs"),
         }
+    regenerate = results / "manifests/regenerate_train_0.json"
+    if regenerate.is_file():
+        found["max_new_tokens"] = json.loads(regenerate.read_text())["params"]["max_new_tokens"]
     warmup = results / "compile/warmup.json"
     if warmup.is_file() and (shapes := json.loads(warmup.read_text()).get("shapes")):
         found["buckets"] = len(shapes)
@@ -120,9 +124,12 @@ def _training(results: Path, manifest: dict | None, data: Data | None, entry) ->
 def _regeneration(results: Path, manifest: dict | None, data: Data | None, entry) -> list[dict]:
     """The train split's shards: their new tokens over their seconds (one GPU each)."""
     tokens = seconds = 0.0
+    tiers = 0  # each shard's prompt tiers: each ends with a drain
     for log in sorted(results.glob("logs/regenerate_train_*.log")):
         for line in log.read_text().splitlines():
-            if match := REGENERATE_LINE.search(line):
+            if TIER_LINE.search(line):
+                tiers += 1
+            elif match := REGENERATE_LINE.search(line):
                 rate = ast.literal_eval(match.group(1))
                 tokens += rate.get("new_tokens_this_run", 0)
                 seconds += rate.get("seconds", 0)
@@ -135,6 +142,8 @@ def _regeneration(results: Path, manifest: dict | None, data: Data | None, entry
         "new_tokens": data.new_tokens,
         "max_new_tokens": params["max_new_tokens"],
     }
+    if tiers:
+        workload |= {"tiers": tiers, "tokens": tokens}
     source = f"{results}/logs/regenerate_train_*.log"
     return [entry("regenerate", tokens / seconds, workload, source)]
 

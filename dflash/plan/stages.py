@@ -32,6 +32,16 @@ TRAIN_TARGET_SHARE = 0.6
 SMALLEST_TIER = 256  # dflash.data.generation.prompt_tiers: a row's cache = tier + max_new_tokens
 
 
+def prompt_tiers(max_prompt: int, smallest: int = SMALLEST_TIER) -> list[int]:
+    """dflash.data.generation.prompt_tiers (which imports torch): powers of two from `smallest`,
+    then `max_prompt`."""
+    tiers = []
+    while smallest < max_prompt:
+        tiers.append(smallest)
+        smallest *= 2
+    return [*tiers, max_prompt]
+
+
 @dataclass
 class Plan:
     name: str
@@ -71,16 +81,18 @@ def rate_shape(rate: dict) -> Shape:
     return Shape.from_config(PRESETS[t] if isinstance(t, str) else t, rate["source"])
 
 
-def pick(p: Plan, stage: str) -> dict:
+def pick(p: Plan, stage: str, near=None) -> dict:
     """The measurement a stage starts from: the plan's own (shape, GPU kind) first, then its GPU
-    kind, then its shape; then the nearest in parameters; earlier entries win ties."""
+    kind, then its shape; then the nearest in parameters; then, where `near` (an entry's
+    distance from the plan's workload) is given, the nearest workload; earlier entries win ties."""
     usable = [r for r in p.rates if r["stage"] == stage and r["gpu"] in GPUS]
     if not usable:
         raise UserError(f"no measured {stage} rate to plan from")
 
     def rank(r):
         other = rate_shape(r)
-        return (other != p.shape, r["gpu"] != p.gpu, abs(math.log(other.params / p.shape.params)))
+        params = abs(math.log(other.params / p.shape.params))
+        return (other != p.shape, r["gpu"] != p.gpu, params, near(r) if near else 0)
 
     return min(usable, key=rank)
 
@@ -140,55 +152,115 @@ def fit_batch(p: Plan, width: int) -> tuple[int, str]:
     return max(fits, 1), f"what fits in {MEMORY_USE:.0%} of {memory} GB: rows of {reserve}"
 
 
+def drain_steps(tiers: int, max_new_tokens: int) -> float:
+    """Decode steps a shard spends past its full-batch ones: each prompt tier ends with its last
+    turns finishing while fewer and fewer rows are busy, half of `max_new_tokens` steps on
+    average (a whole wave of turns that each run to the cap: 0 to max_new_tokens steps)."""
+    return tiers * max_new_tokens / 2
+
+
+def regen_matches(w: dict, d: Data) -> bool:
+    """The plan's data are the measurement's: its means per row where it has them, else per turn."""
+    prompt, new = (
+        (w["row_prompt_tokens"], w["row_new_tokens"])
+        if "row_new_tokens" in w
+        else (w["prompt_tokens"], w["new_tokens"])
+    )
+    return close(d.prompt_tokens, prompt) and close(d.new_tokens, new)
+
+
 def regeneration(p: Plan) -> Figure:
-    r = pick(p, "regenerate")
-    w, d = r["workload"], p.data
-    ref_roof, _ = roofline(rate_shape(r), r["gpu"], w["batch"], w["prompt_tokens"], w["new_tokens"])
-    fraction = r["value"] / ref_roof
+    d = p.data
     width = replica_width(p)
     batch, why = fit_batch(p, width)
+
+    def near(r):
+        w = r["workload"]
+        return (not regen_matches(w, d), abs(math.log(batch / w["batch"])))
+
+    r = pick(p, "regenerate", near)
+    w = r["workload"]
+    ref_roof, _ = roofline(rate_shape(r), r["gpu"], w["batch"], w["prompt_tokens"], w["new_tokens"])
+    # the measurement's tokens took full-batch steps plus its tiers' drains: its fraction of the
+    # roofline is that of its mean step, as if every step had been full (no `tokens`: no drain)
+    fraction = r["value"] / ref_roof
+    if "tokens" in w:
+        steps = w["tokens"] / w["batch"] + drain_steps(w["tiers"], w["max_new_tokens"])
+        fraction *= steps * w["batch"] / w["tokens"]
     roof, step_bytes = roofline(p.shape, p.gpu, batch, d.prompt_tokens, d.new_tokens, width)
     measured = (
         same_setting(r, p)
         and batch == w["batch"]
-        and close(d.prompt_tokens, w["prompt_tokens"])
-        and close(d.new_tokens, w["new_tokens"])
+        and regen_matches(w, d)
+        and p.max_new_tokens == w["max_new_tokens"]
     )
-    rate = r["value"] if measured else fraction * roof  # one copy of the target
-    how = "the rate measured" if measured else (
-        f"{fraction:.2f} of the bandwidth roofline (the fraction measured, at batch {w['batch']}); "
-        f"batch {batch} ({why}); a step reads {step_bytes / 1e9:.1f} GB (weights + each row's KV "
-        f"of {d.prompt_tokens:.0f} + {d.new_tokens:.0f}/2 tokens) at {width} x "
-        f"{GPUS[p.gpu]['tb_s']} TB/s: roofline {kilo(roof)} tokens/s"
-    )  # fmt: skip
+    copies = p.gpus // width
+    shard_tokens = d.samples * d.new_tokens / copies
+    if measured:
+        rate = r["value"]
+        seconds = shard_tokens / rate
+        how = "the rate measured (the tiers' drains included)"
+    else:
+        rate = fraction * roof  # full-batch steps of one copy of the target
+        # drains, where the measurement's fraction is of full-batch steps (else it has them in)
+        tiers = len(prompt_tiers(p.max_length)) if "tokens" in w else 0
+        drain = drain_steps(tiers, p.max_new_tokens)
+        seconds = (shard_tokens / batch + drain) * batch / rate
+        how = (
+            f"{fraction:.2f} of the bandwidth roofline (the fraction measured, at batch "
+            f"{w['batch']}, of its full-batch steps); batch {batch} ({why}); a step reads "
+            f"{step_bytes / 1e9:.1f} GB (weights + each row's KV of {d.prompt_tokens:.0f} + "
+            f"{d.new_tokens:.0f}/2 tokens; a sample taken as one turn) at {width} x "
+            f"{GPUS[p.gpu]['tb_s']} TB/s: roofline {kilo(roof)} tokens/s"
+        )
+        if tiers:
+            how += (
+                f"; + {drain:,.0f} steps a shard for the drains of {tiers} prompt tiers "
+                f"(--max-length), {p.max_new_tokens:,} / 2 each (--max-new-tokens)"
+            )
     if width > 1:
         how += f"; each copy split over {width} GPUs (tensor parallel, not in dflash yet: ideal)"
-    copies = p.gpus // width
     if copies > 1:
         how += f"; x {copies} copies, a shard each"
-    seconds = d.samples * d.new_tokens / (rate * copies)
-    rate_text = f"{kilo(rate / width)} new tokens/s per GPU"
+    rate_text = f"{kilo(shard_tokens / seconds / width)} new tokens/s per GPU"
     return Figure("regeneration", seconds, rate_text, basis(measured), how, r["source"])
 
 
 def tokenization(p: Plan) -> Figure:
     r = pick(p, "tokenize")
-    measured = rate_shape(r) == p.shape  # CPU work: the tokenizer matters, not the GPU
-    seconds = p.data.samples * (p.data.prompt_tokens + p.data.new_tokens) / r["value"]
-    how = "on the host's CPUs at the rate measured"
+    w = r["workload"]
+    tokens = p.data.samples * (p.data.prompt_tokens + p.data.new_tokens)
+    # CPU work: the tokenizer matters, not the GPU; and the amount, the rate having a fixed part
+    measured = rate_shape(r) == p.shape and close(tokens, w["tokens"])
+    fixed = w.get("fixed_s", 0)
+    seconds = fixed + tokens / r["value"]
+    how = f"on the host's CPUs at the rate measured ({w['tokens'] / 1e6:,.2f}M tokens)"
+    if fixed:
+        how += f", + {fixed} s measured whatever the rows (process pool, tokenizer)"
     if not measured:
         how += " with another target's tokenizer, taken as it is"
     rate = f"{kilo(r['value'])} tokens/s, {r['workload']['num_proc']} processes"
     return Figure("tokenization", seconds, rate, basis(measured), how, r["source"])
 
 
+def anchors_of(r: dict) -> int | None:
+    """The anchors a warmup was measured at (a run's own record does not say: the run's)."""
+    return r["workload"].get("anchors")
+
+
 def warmup(p: Plan) -> Figure:
-    r = pick(p, "warmup")
+    r = pick(p, "warmup", lambda r: anchors_of(r) not in (None, p.drafter.anchors))
     w = r["workload"]
     seconds = max(w["later_s"] * p.buckets, r["value"] + (p.buckets - w["shapes"]) * w["later_s"])
-    measured = same_setting(r, p) and p.buckets == w["shapes"]
+    measured = (
+        same_setting(r, p)
+        and p.buckets == w["shapes"]
+        and anchors_of(r) in (None, p.drafter.anchors)
+    )
+    at = anchors_of(r) or "the run's"
     how = (
-        f"{r['value']} s measured for {w['shapes']} shape{'s' * (w['shapes'] > 1)}, "
+        f"{r['value']} s measured for {w['shapes']} shape{'s' * (w['shapes'] > 1)} at "
+        f"{at} anchors, "
         f"{w['later_s']} s a further one; {p.buckets} bucket shapes (--buckets); compiling is "
         "host work, taken as it is on other GPU kinds; runs beside regeneration"
     )
@@ -218,7 +290,7 @@ def training(p: Plan) -> Figure:
     n, prompt = p.data.length(p.max_length), p.data.prompt_tokens
     per_sample = sample_flops(p.shape, p.drafter, n, prompt)
     if p.targets == 0:
-        r = pick(p, "train")
+        r = pick(p, "train", lambda r: train_distance(r["workload"], p, n))
         flop_s, words = useful_flop_rate(r, "train")
         samples_s = p.gpus * flop_s * peak_ratio(r["gpu"], p.gpu) / per_sample
         w = r["workload"]
@@ -263,6 +335,13 @@ def training(p: Plan) -> Figure:
     return Figure("training", seconds, rate, basis(measured), how, r["source"])
 
 
+def train_distance(w: dict, p: Plan, n: float) -> tuple:
+    """How far a training measurement's workload is from the plan's: the drafter first, then
+    the row length."""
+    drafter = (w["anchors"], w["drafter_layers"], w["block_size"]) != astuple_drafter(p.drafter)
+    return drafter, abs(math.log(n / w["length"]))
+
+
 def astuple_drafter(d: Drafter) -> tuple[int, int, int]:
     return d.anchors, d.layers, d.block_size
 
@@ -289,14 +368,17 @@ def evaluation(p: Plan) -> Figure:
     )
     scale = p.eval_prompts / w["prompts"] * p.eval_new_tokens / w["new_tokens"]
     measured = same_setting(r, p) and scale == 1
+    fixed = w.get("fixed_s", 0)
     how = (
-        f"{r['value']:.0f} s measured for {w['prompts']} prompts x {w['new_tokens']} new tokens; "
-        f"x {scale:.2f} for {p.eval_prompts} x {p.eval_new_tokens} (--eval-prompts, "
-        f"--eval-new-tokens); x {ratio:.2f} for a batch-1 target forward (the larger of the "
-        f"{launch_s * 1e3:.1f} ms measured and the weights read at the copy bandwidth)"
+        f"{r['value']:.0f} s measured for {w['prompts']} prompts x {w['new_tokens']} new tokens"
+        + (f", {fixed:.0f} s of it fixed (loading, graphs: taken as it is)" if fixed else "")
+        + f"; the {'rest' if fixed else 'whole'} x {scale:.2f} for {p.eval_prompts} x "
+        f"{p.eval_new_tokens} (--eval-prompts, --eval-new-tokens); x {ratio:.2f} for a batch-1 "
+        f"target forward (the larger of the {launch_s * 1e3:.1f} ms measured and the weights "
+        "read at the copy bandwidth)"
     )
     how += f"; one copy of the target on {width} GPU{'s' * (width > 1)}"
-    seconds = r["value"] * scale * ratio
+    seconds = fixed + (r["value"] - fixed) * scale * ratio
     return Figure("evaluation", seconds, "batch 1, one copy", basis(measured), how, r["source"])
 
 
