@@ -195,7 +195,7 @@ def gpu_sample(nv, uuids: set[str], ours: set[int]) -> dict | None:
             continue
         # the throttle call was renamed in driver 535 (clocks event reasons); older drivers know
         # only the old name
-        reasons = _ask(nv.nvmlDeviceGetCurrentClocksEventReasons, handle)
+        reasons = _ask(getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None), handle)
         if reasons is None:
             reasons = _ask(nv.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
         gpus.append(
