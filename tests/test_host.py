@@ -113,7 +113,16 @@ def burn(seconds: float) -> None:
         pass
 
 
+def background(seconds: float = 2) -> float:
+    """What other processes (other tests, other users of a shared machine) use meanwhile: the
+    bar the measurements below are held to, so that a busy machine does not fail them."""
+    other = OtherCpuUse({os.getpid()})
+    time.sleep(seconds)
+    return other()
+
+
 def test_other_processes_cpu_use_is_counted_and_our_own_is_not():
+    before = background()
     other = OtherCpuUse({os.getpid()})
     burn(2)  # our own work: not "other"
     quiet = other()
@@ -130,12 +139,13 @@ def test_other_processes_cpu_use_is_counted_and_our_own_is_not():
         for p in burners:
             p.kill()
             p.wait()
-    assert quiet < 0.2 and busy > 0.6, (quiet, busy)
+    assert quiet < before + 0.2 and busy > 0.6, (before, quiet, busy)
 
 
 def test_a_rank_that_finishes_first_is_dropped_not_counted_as_negative_work():
     """Target ranks exit before drafter 0 writes the last checkpoint; their ticks vanish from
     /proc and must not turn into "other" work (the first version read 102 % of the CPUs)."""
+    before = background()
     rank = subprocess.Popen(
         [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() < t + 3: pass"]
     )
@@ -145,7 +155,7 @@ def test_a_rank_that_finishes_first_is_dropped_not_counted_as_negative_work():
     rank.wait()
     time.sleep(1)
     after = other()
-    assert during < 0.3 and after < 0.6, (during, after)
+    assert during < before + 0.3 and after < before + 0.6, (before, during, after)
 
 
 def test_process_age_counts_from_this_process_start():
