@@ -1,28 +1,29 @@
 """What else the machine was doing while training ran: the record's evidence for "was it the host?".
 
-Drafter 0 runs a `HostMonitor`. Every `CPU_EVERY_S` seconds it reads how much of all CPUs' time
-went to processes other than this run's ranks (/proc/stat less the ranks' own ticks; a virtual
-machine's steal time counts as other work). On a GPU run, a second thread asks nvidia-smi every
-`GPU_EVERY_S` seconds about the GPUs this node's ranks use: SM clock against its maximum,
-temperature, thermal or hardware throttling, and compute processes that are not ranks of this run.
-Each metrics line carries the window since the previous line; `summarize_host` condenses the
-steady lines for the run summary, and `dflash compare` weighs a change in them as a cause.
+Drafter 0 runs a `HostMonitor`. Every `CPU_EVERY_S` seconds it reads (psutil) how much of all
+CPUs' time went to processes other than this run's ranks (the machine's CPU times less the ranks'
+own; a virtual machine's steal time counts as other work). On a GPU run, a second thread asks
+NVML (nvidia-ml-py) every `GPU_EVERY_S` seconds about the GPUs this node's ranks use: SM clock
+against its maximum, temperature, thermal or hardware throttling, and compute processes that are
+not ranks of this run. Each metrics line carries the window since the previous line;
+`summarize_host` condenses the steady lines for the run summary, and `dflash compare` weighs a
+change in them as a cause.
 
 What it cannot see: other nodes of a multi-node run (it samples drafter 0's node), a cgroup CPU
-limit (/proc/stat is the whole machine's), and processes that nvidia-smi cannot show from inside
-a container.
+limit (the CPU times are the whole machine's), and processes that NVML cannot show from inside a
+container. Without NVML (no NVIDIA driver, or no nvidia-ml-py) there is no GPU sample.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 log = logging.getLogger("dflash.train")
 
@@ -30,49 +31,41 @@ CPU_EVERY_S = 1.0
 GPU_FIRST_S = 5.0  # after the first steps, not while the GPUs still idle
 GPU_EVERY_S = 30.0
 
-# nvidia-smi's clocks_event_reasons.active bits that mean something is wrong with the GPU or its
-# cooling. Left out: idle and application-clock bits, and the software power cap, which a busy
-# GPU hits routinely (its effect shows in the SM clock).
+# NVML's clocks event (throttle) reason bits that mean something is wrong with the GPU or its
+# cooling (nvmlClocksEventReasonHwSlowdown, ...SwThermalSlowdown, ...HwThermalSlowdown,
+# ...HwPowerBrakeSlowdown). Left out: idle and application-clock bits, and the software power cap,
+# which a busy GPU hits routinely (its effect shows in the SM clock).
 THROTTLE_BITS = {
     0x8: "hardware slowdown",
     0x20: "thermal (software)",
     0x40: "thermal (hardware)",
     0x80: "power brake",
 }
-# The throttle field was renamed in driver 535 (clocks_event_reasons); older drivers know only the
-# old name, and newer ones may drop it: try both, then go without it.
-GPU_QUERIES = [
-    f"uuid,clocks.sm,clocks.max.sm,temperature.gpu,{reasons}"
-    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
-] + ["uuid,clocks.sm,clocks.max.sm,temperature.gpu"]
 
 
 # ---------------------------------------------------------------------------------- CPUs
 
-
-def cpu_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat's first line."""
-    user, nice, system, idle, iowait, irq, softirq, steal = map(
-        int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-    )
-    busy = user + nice + system + irq + softirq + steal
-    return busy, busy + idle + iowait
+# The machine's CPU time that is work (idle and iowait are not). On Linux these are /proc/stat's
+# fields; other systems report fewer (a missing one counts 0).
+BUSY_FIELDS = ("user", "nice", "system", "irq", "softirq", "steal")
+IDLE_FIELDS = ("idle", "iowait")
 
 
-def _stat_fields(pid: int | str) -> list[str]:
-    """/proc/<pid>/stat from the state field on (after "pid (comm)", whose comm may hold spaces
-    or parentheses); OSError once the process has exited."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds() -> tuple[float, float]:
+    """(busy, total) seconds of all CPUs since boot."""
+    times = psutil.cpu_times()
+    busy = sum(getattr(times, f, 0.0) for f in BUSY_FIELDS)
+    return busy, busy + sum(getattr(times, f, 0.0) for f in IDLE_FIELDS)
 
 
-def process_ticks(pid: int) -> int | None:
-    """User + system clock ticks of a process, all threads and reaped children included; None
+def process_seconds(process: psutil.Process) -> float | None:
+    """User + system CPU seconds of a process, all threads and reaped children included; None
     once it has exited."""
     try:
-        fields = _stat_fields(pid)
-    except OSError:
+        t = process.cpu_times()
+    except psutil.Error:
         return None
-    return sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return t.user + t.system + t.children_user + t.children_system
 
 
 # What a training process does before its first step, in order (`startup_split_s` in its
@@ -83,9 +76,15 @@ STARTUP_PHASES = ("imports", "setup", "resume_and_live_view", "compile")
 def process_age_s() -> float | None:
     """Seconds since this process started, to 0.1 s: its interpreter's start, so imports count
     (a torchrun worker's own start: the launcher's seconds before it are not; a resumed run's
-    process counts from its own start). None where /proc is missing."""
+    process counts from its own start). None where /proc is missing.
+
+    Read from /proc, not psutil: psutil's create_time adds the boot time, which /proc/stat gives
+    in whole seconds, so its age would be off by up to a second."""
     try:
-        start_ticks = int(_stat_fields("self")[19])  # field 22, starttime: ticks after boot
+        # after "pid (comm)", whose comm may hold spaces or parentheses: field 22, starttime,
+        # clock ticks after boot
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(stat[19])
     except (OSError, ValueError, IndexError):
         return None
     # starttime counts on the boot clock (suspend included), so read the same clock
@@ -97,17 +96,18 @@ def process_age_s() -> float | None:
 def run_pids() -> set[int]:
     """This process and the other ranks torchrun started on this node: siblings running the same
     command line (not everything the parent started, e.g. a test's other processes)."""
-    me, parent = os.getpid(), os.getppid()
-    command = Path(f"/proc/{me}/cmdline").read_bytes()
-    pids = {me}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
+    me = psutil.Process()
+    pids = {me.pid}
+    try:
+        command = me.cmdline()
+        siblings = psutil.Process(me.ppid()).children()
+    except psutil.Error:
+        return pids
+    for p in siblings:
         try:
-            ppid = int(_stat_fields(entry.name)[1])
-            if ppid == parent and (entry / "cmdline").read_bytes() == command:
-                pids.add(int(entry.name))
-        except (OSError, ValueError, IndexError):
+            if p.pid != me.pid and p.cmdline() == command:
+                pids.add(p.pid)
+        except psutil.Error:  # exited meanwhile, or not ours to read
             continue
     return pids
 
@@ -116,90 +116,107 @@ class OtherCpuUse:
     """Fraction of all CPU time spent outside the given processes since the previous call."""
 
     def __init__(self, pids: set[int]):
-        self.ticks = {pid: t for pid in pids if (t := process_ticks(pid)) is not None}
-        self.busy, self.total = cpu_ticks()
+        self.seconds: dict[psutil.Process, float] = {}
+        for pid in pids:
+            try:
+                process = psutil.Process(pid)
+            except psutil.Error:
+                continue
+            if (t := process_seconds(process)) is not None:
+                self.seconds[process] = t
+        self.busy, self.total = cpu_seconds()
 
     def __call__(self) -> float | None:
-        busy, total = cpu_ticks()
-        ours = 0
-        for pid, last in list(self.ticks.items()):
-            now = process_ticks(pid)
+        busy, total = cpu_seconds()
+        ours = 0.0
+        for process, last in list(self.seconds.items()):
+            now = process_seconds(process)
             if now is None:  # a rank that finished (targets stop before drafter 0): drop it
-                del self.ticks[pid]
+                del self.seconds[process]
             else:
                 ours += now - last
-                self.ticks[pid] = now
+                self.seconds[process] = now
         d_busy, d_total = busy - self.busy, total - self.total
         self.busy, self.total = busy, total
         if d_total <= 0:
             return None
-        return min(max(d_busy - ours, 0) / d_total, 1.0)
+        return min(max(d_busy - ours, 0.0) / d_total, 1.0)
 
 
 # ---------------------------------------------------------------------------------- GPUs
 
 
-def _uuid(s: str) -> str:
+def _uuid(s: str | bytes) -> str:
+    if isinstance(s, bytes):
+        s = s.decode()
     return s.strip().lower().removeprefix("gpu-")
 
 
-def parse_gpus(text: str) -> list[dict]:
-    """`nvidia-smi --query-gpu=<one of GPU_QUERIES> --format=csv,noheader,nounits` output, one
-    dict per GPU; a field the driver reports as unsupported is None."""
-
-    def number(s: str, base: int = 10) -> int | None:
-        try:
-            return int(float(s)) if base == 10 else int(s, base)
-        except ValueError:
-            return None
-
-    gpus = []
-    for line in text.strip().splitlines():
-        uuid, sm, sm_max, temp, *reasons = (f.strip() for f in line.split(","))
-        sm, sm_max = number(sm), number(sm_max)
-        bits = number(reasons[0], 16) if reasons else None
-        gpus.append(
-            {
-                "uuid": _uuid(uuid),
-                "sm_clock_fraction": round(sm / sm_max, 3) if sm and sm_max else None,
-                "temperature_c": number(temp),
-                "throttle": [name for bit, name in THROTTLE_BITS.items() if bits and bits & bit],
-            }
-        )
-    return gpus
+def gpu_state(
+    uuid: str, sm: int | None, sm_max: int | None, temp: int | None, reasons: int | None
+) -> dict:
+    """One GPU's sample from what NVML reported; a value it did not report is None."""
+    return {
+        "uuid": _uuid(uuid),
+        "sm_clock_fraction": round(sm / sm_max, 3) if sm and sm_max else None,
+        "temperature_c": temp,
+        "throttle": [name for bit, name in THROTTLE_BITS.items() if reasons and reasons & bit],
+    }
 
 
-def _nvidia_smi(*args: str) -> str | None:
+def nvml():
+    """The initialised `pynvml` module, or None without nvidia-ml-py or an NVIDIA driver."""
     try:
-        done = subprocess.run(
-            ["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, or NVMLError: no libnvidia-ml, no driver, no GPU
+        return None
+    return pynvml
+
+
+def _ask(call, *args):
+    """An NVML query's answer, None where the GPU or driver does not support it."""
+    try:
+        return call(*args)
+    except Exception:  # NVMLError_NotSupported, _FunctionNotFound (an older driver), ...
+        return None
+
+
+def gpu_sample(nv, uuids: set[str], ours: set[int]) -> dict | None:
+    """Clocks, temperatures and throttling of the run's GPUs (`nv`: the initialised pynvml), and
+    how many compute processes on the node are not ranks of this run; None when NVML shows none
+    of the run's GPUs."""
+    gpus, pids, listed = [], set(), True
+    for i in range(nv.nvmlDeviceGetCount()):
+        handle = nv.nvmlDeviceGetHandleByIndex(i)
+        uuid = _uuid(nv.nvmlDeviceGetUUID(handle))
+        if uuid not in uuids:
+            continue
+        # the throttle call was renamed in driver 535 (clocks event reasons); older drivers know
+        # only the old name
+        reasons = _ask(getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None), handle)
+        if reasons is None:
+            reasons = _ask(nv.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+        gpus.append(
+            gpu_state(
+                uuid,
+                _ask(nv.nvmlDeviceGetClockInfo, handle, nv.NVML_CLOCK_SM),
+                _ask(nv.nvmlDeviceGetMaxClockInfo, handle, nv.NVML_CLOCK_SM),
+                _ask(nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU),
+                reasons,
+            )
         )
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-    return done.stdout
-
-
-def gpu_sample(uuids: set[str], ours: set[int]) -> dict | None:
-    """Clocks, temperatures and throttling of the run's GPUs, and how many compute processes on
-    the node are not ranks of this run; None without a usable answer from nvidia-smi."""
-    for query in GPU_QUERIES:
-        status = _nvidia_smi(f"--query-gpu={query}", "--format=csv,noheader,nounits")
-        if status is not None:
-            break
-    else:
-        return None
-    gpus = [g for g in parse_gpus(status) if g["uuid"] in uuids]
+        apps = _ask(nv.nvmlDeviceGetComputeRunningProcesses, handle)
+        if apps is None:
+            listed = False
+        else:
+            pids |= {p.pid for p in apps}
     if not gpus:
         return None
-    apps = _nvidia_smi("--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader") or ""
-    pids = {
-        int(pid)
-        for pid, gpu in (line.split(",") for line in apps.strip().splitlines() if "," in line)
-        if pid.strip().isdigit() and _uuid(gpu) in uuids
-    }
-    # None unless a rank of ours is listed: inside a container nvidia-smi may show the host's
-    # pids, and then every process, ours too, would look foreign
-    foreign = len(pids - ours) if pids & ours else None
+    # None unless a rank of ours is listed: inside a container NVML may show the host's pids, and
+    # then every process, ours too, would look foreign
+    foreign = len(pids - ours) if listed and pids & ours else None
     return {"gpus": gpus, "foreign_processes": foreign}
 
 
@@ -220,7 +237,8 @@ class HostMonitor:
         self.cpus = os.cpu_count() or 1
         self._pids = run_pids()
         self._threads = [threading.Thread(target=self._cpu_loop, daemon=True)]
-        if gpu_uuids and shutil.which("nvidia-smi"):
+        self._nvml = nvml() if gpu_uuids else None
+        if self._nvml is not None:
             uuids = {_uuid(u) for u in gpu_uuids}
             self._threads.append(
                 threading.Thread(target=self._gpu_loop, args=(uuids,), daemon=True)
@@ -244,7 +262,7 @@ class HostMonitor:
         while not self._stop.wait(wait):
             wait = GPU_EVERY_S
             try:
-                sample = gpu_sample(uuids, self._pids)
+                sample = gpu_sample(self._nvml, uuids, self._pids)
             except Exception as e:
                 log.warning("host monitor: GPU sampling stopped: %s", e)
                 with self._lock:
@@ -267,6 +285,8 @@ class HostMonitor:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=1)
+        if self._nvml is not None and not any(t.is_alive() for t in self._threads):
+            _ask(self._nvml.nvmlShutdown)
 
 
 def summarize_host(windows: list[dict]) -> dict | None:

@@ -12,8 +12,6 @@ import ast
 import importlib.metadata
 import os
 import platform
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -91,20 +89,22 @@ def environment_hash() -> str:
 
 
 def gpus() -> dict:
-    """GPU models and driver from nvidia-smi (no CUDA context is created); empty without GPUs."""
-    if shutil.which("nvidia-smi") is None:
-        return {"count": 0, "models": [], "driver": None}
-    query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    """GPU models and driver from NVML (no CUDA context is created); empty without GPUs."""
+    from dflash.host import nvml
+
+    none = {"count": 0, "models": [], "driver": None}
+    nv = nvml()
+    if nv is None:  # no NVIDIA driver
+        return none
     try:
-        lines = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {"count": 0, "models": [], "driver": None}
-    rows = [[c.strip() for c in line.split(",")] for line in lines.splitlines() if line.strip()]
-    return {
-        "count": len(rows),
-        "models": [r[0] for r in rows],
-        "driver": rows[0][1] if rows and len(rows[0]) > 1 else None,
-    }
+        count = nv.nvmlDeviceGetCount()
+        models = [nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+        driver = nv.nvmlSystemGetDriverVersion() if models else None
+    except nv.NVMLError:
+        return none
+    finally:
+        nv.nvmlShutdown()
+    return {"count": len(models), "models": models, "driver": driver}
 
 
 def environment_record() -> dict:

@@ -6,6 +6,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -241,6 +242,98 @@ def test_mlflow_true_without_a_tracking_uri_fails_before_training(data, target_d
     err = run.communicate(timeout=300)[1]
     assert run.returncode != 0
     assert "train.mlflow: true, but MLFLOW_TRACKING_URI is missing" in err
+    assert not (tmp_path / "drafter").exists()
+
+
+def wandb_records(path: Path):
+    """The records of a W&B run file (`run-<id>.wandb`): a header, then LevelDB-log blocks of
+    32 KiB whose chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) hold protobuf
+    `Record`s."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a chunk header
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_run(folder: Path) -> dict:
+    """What an offline W&B run folder holds: its id, name, config, logged steps, exit code."""
+    (file,) = folder.glob("run-*.wandb")
+    run = {"history": {}, "config": {}}
+    for record in wandb_records(file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["id"], run["name"] = record.run.run_id, record.run.display_name
+            run["project"] = record.run.project
+            run["config"] |= {i.key: json.loads(i.value_json) for i in record.run.config.update}
+        elif kind == "config":
+            run["config"] |= {i.key: json.loads(i.value_json) for i in record.config.update}
+        elif kind == "history":
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                for i in record.history.item
+            }
+            run["history"][items["_step"]] = items
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+    return run
+
+
+def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_the_same_wandb_run(
+    data, target_dir, tmp_path
+):
+    """With WANDB_MODE=offline (train.wandb: auto) each attempt writes an offline W&B run under
+    the run folder, no network needed: the config and every step's curves. A run that fails ends
+    its W&B run with exit code 1; the rerun resumes the same W&B run (same id) and logs the rest."""
+    home = tmp_path / "wandb-home"  # W&B's settings, cache and artifacts: not the user's
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": ""} | {
+        f"WANDB_{k}_DIR": str(home / k) for k in ("CONFIG", "CACHE", "DATA", "ARTIFACT")
+    }
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAILING_TARGET)
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    out = tmp_path / "run"
+    failed = launch(
+        config(0, 1), data, target_dir, out, torchrun=False, env=env | {"PYTHONPATH": path}
+    )
+    err = failed.communicate(timeout=600)[1]
+    assert failed.returncode != 0 and "injected failure" in err
+    err = finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
+    assert "resumed from" in err
+
+    first, second = (wandb_run(f) for f in sorted((run_dir(out) / "wandb").glob("offline-run-*")))
+    assert first["id"] == second["id"] == (run_dir(out) / "wandb_run_id").read_text()
+    assert first["name"] == run_dir(out).name and first["project"] == "dflash"
+    assert first["config"]["train"]["lr"] == 0.001 and first["config"]["seed"] == 0
+    assert (first["exit_code"], second["exit_code"]) == (1, 0)
+    assert sorted(first["history"]) == [1, 2, 3, 4, 5]
+    logged = steps(out)
+    history = first["history"] | second["history"]
+    assert sorted(history) == [r["step"] for r in logged]
+    assert [history[r["step"]]["train/loss"] for r in logged] == pytest.approx(
+        [r["loss"] for r in logged]
+    )
+    assert {"train/tau_teacher_forced", "train/lr", "acceptance_per_slot/01"} <= set(history[1])
+
+
+def test_wandb_true_without_wandb_settings_fails_before_training(data, target_dir, tmp_path):
+    env = {"WANDB_MODE": "", "WANDB_PROJECT": ""}
+    run = launch(config(0, 1, wandb=True), data, target_dir, tmp_path, torchrun=False, env=env)
+    err = run.communicate(timeout=300)[1]
+    assert run.returncode != 0
+    assert "train.wandb: true, but WANDB_PROJECT or WANDB_MODE is missing" in err
     assert not (tmp_path / "drafter").exists()
 
 

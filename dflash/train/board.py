@@ -14,13 +14,26 @@ requires both, `false` never logs. One MLflow run per training run: its id is ke
 folder, so a resumed run continues the same MLflow run (MLflow keeps a metric's history, so the
 steps after the checkpoint appear twice there); an attempt that fails ends it FAILED, the one
 that finishes ends it FINISHED. The run's parameters are the config, flattened.
-metrics.jsonl stays the record; both are views of it.
+
+Weights & Biases (`train.wandb`): `auto` logs where the `wandb` package is installed and
+`WANDB_PROJECT` or `WANDB_MODE` is set (how W&B users configure it; `WANDB_MODE=offline` writes
+the run locally, for `wandb sync` later, and needs no network or account), `true` requires both,
+`false` never logs. One W&B run per training run, in project `WANDB_PROJECT` (default dflash),
+named after the run folder, with the config; its id is kept in the run folder, so a resumed run
+continues the same W&B run (W&B steps only go forward: the steps a resume repeats keep the values
+the first attempt logged there); a failed attempt finishes it with exit code 1. Its files go
+under the run folder (`wandb/`) unless `WANDB_DIR` says otherwise.
+
+metrics.jsonl stays the record; all three are views of it. A tracker that is not configured is
+not imported.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import secrets
 from pathlib import Path
 
 from dflash.config import flatten
@@ -42,13 +55,17 @@ SCALARS = {
 
 
 class Board:
-    """Every live view: TensorBoard and, where configured, MLflow."""
+    """Every live view: TensorBoard and, where configured, MLflow and Weights & Biases."""
 
     def __init__(self, run: Path, step: int, config: dict):
-        self.views = [TensorBoard(run / "tensorboard", step, config["train"]["tensorboard"])]
+        # both checked before either starts a run: a `true` that cannot log fails here
         mlflow = mlflow_module(config["train"]["mlflow"])
+        wandb = wandb_module(config["train"]["wandb"])
+        self.views = [TensorBoard(run / "tensorboard", step, config["train"]["tensorboard"])]
         if mlflow is not None:
             self.views.append(MLflowRun(mlflow, run, config))
+        if wandb is not None:
+            self.views.append(WandbRun(wandb, run, config))
 
     def log(self, record: dict) -> None:
         for view in self.views:
@@ -91,19 +108,32 @@ class TensorBoard:
             self.writer.close()
 
 
-def mlflow_module(mode):
-    """The `mlflow` module when `train.mlflow` (auto | true | false) says to log, else None."""
-    if mode is False:
+def tracker_module(key: str, mode, configured: bool, variables: str):
+    """The tracker's module when `train.<key>` (auto | true | false) says to log, else None:
+    imported only then (wandb and mlflow take seconds to import)."""
+    if mode is False or (mode == "auto" and not configured):
         return None
-    try:
-        import mlflow
-    except ImportError:
-        mlflow = None
+    module = None
+    if importlib.util.find_spec(key) is not None:
+        module = importlib.import_module(key)
+    if mode is True and (module is None or not configured):
+        missing = f"the {key} package" if module is None else variables
+        raise UserError(f"train.{key}: true, but {missing} is missing (or set it to auto)")
+    return module
+
+
+def mlflow_module(mode):
+    """The `mlflow` module when `train.mlflow` says to log (MLFLOW_TRACKING_URI set), else None."""
     configured = bool(os.environ.get("MLFLOW_TRACKING_URI"))
-    if mode is True and (mlflow is None or not configured):
-        missing = "the mlflow package" if mlflow is None else "MLFLOW_TRACKING_URI"
-        raise UserError(f"train.mlflow: true, but {missing} is missing (or set it to auto)")
-    return mlflow if mlflow is not None and configured else None
+    return tracker_module("mlflow", mode, configured, "MLFLOW_TRACKING_URI")
+
+
+def wandb_module(mode):
+    """The `wandb` module when `train.wandb` says to log (WANDB_PROJECT or WANDB_MODE set, and
+    WANDB_MODE not disabled), else None."""
+    wandb_mode = os.environ.get("WANDB_MODE", "")
+    configured = wandb_mode != "disabled" and bool(wandb_mode or os.environ.get("WANDB_PROJECT"))
+    return tracker_module("wandb", mode, configured, "WANDB_PROJECT or WANDB_MODE")
 
 
 class MLflowRun:
@@ -129,3 +159,35 @@ class MLflowRun:
     def close(self, failed: bool = False) -> None:
         # a resumed run is the same MLflow run: FAILED until a later attempt finishes it
         self.mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+
+class WandbRun:
+    """One W&B run per training run (its id kept in the run folder, for resumes)."""
+
+    def __init__(self, wandb, run: Path, config: dict):
+        self.wandb = wandb
+        id_file = run / "wandb_run_id"
+        if id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = secrets.token_hex(8)
+            with atomic_path(id_file) as tmp:
+                tmp.write_text(run_id)
+        folder = None
+        if not os.environ.get("WANDB_DIR"):
+            folder = run  # wandb adds its own wandb/ folder
+        self.active = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "dflash",
+            name=run.name,
+            id=run_id,
+            resume="allow",
+            config=config,
+            dir=folder,
+        )
+        log.info("wandb: run %s (%s)", run_id, "offline" if self.active.offline else "online")
+
+    def log(self, record: dict) -> None:
+        self.active.log(scalars(record), step=record["step"])
+
+    def close(self, failed: bool = False) -> None:
+        self.active.finish(exit_code=1 if failed else 0)
