@@ -301,6 +301,20 @@ def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[st
 DOWNSTREAM_OF_TRAINING = {"train", "eval_acceptance", "eval_ddtree", "report", "record"}
 
 
+def test_moving_the_checkout_reruns_nothing(run_a, tmp_path):
+    """No rule's param holds where the checkout lives (the record's workflow folder did, as an
+    absolute path): the checkout and its working directory moved together plan no job."""
+    moved = tmp_path / "moved"
+    skip = shutil.ignore_patterns("__pycache__", "results-*", "checkpoints")
+    for name in ("repo", "work"):
+        shutil.copytree(run_a.workdir.parent / name, moved / name, ignore=skip)
+    assert (run_a.repo, run_a.workdir) == (
+        run_a.workdir.parent / "repo",
+        run_a.workdir.parent / "work",
+    )
+    assert Workflow(moved / "repo", moved / "work").planned_jobs("all") == {}
+
+
 def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
     import yaml
 

@@ -21,7 +21,9 @@ rule record:
         f"{R}/logs/record.log",
     params:
         results=lambda wildcards, output: os.path.dirname(output[0]),
-        workflow_dir=workflow.basedir,
+        # relative to the working directory: moving the checkout (the working directory inside
+        # it) reruns nothing; what the workflow files hold is params.code
+        workflow_dir=os.path.relpath(workflow.basedir),
         config=json.dumps(config, sort_keys=True),
         code=source_files(Path(workflow.basedir)),
         git=git_state(PACKAGE_ROOT.parent),
