@@ -206,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", type=Path, required=True, help="the results folder")
     p.add_argument("--workflow-dir", type=Path, help="workflow folder whose files to hash")
     p.add_argument("--output", type=Path, required=True, help="MANIFEST.json to write")
+    p.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a folder the run read, made by a rule of its own under resources/ (the converted"
+        " target): its files' sha256 are recorded as the input NAME; repeatable",
+    )
     p.add_argument("outputs", type=Path, nargs="+", help="every declared output of the run")
     p.set_defaults(stage="dflash.record:run")
 

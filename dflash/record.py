@@ -1,5 +1,6 @@
-"""The run record, `results/MANIFEST.json`: sha256 of every declared output plus what the run's
-numbers depend on (code, environment, config, data, topology) and the numbers themselves
+"""The run record, `results/MANIFEST.json`: sha256 of every declared output and of every input made
+under resources/ (the converted target), plus what the run's numbers depend on (code,
+environment, config, data, topology) and the numbers themselves
 (training throughput per role, τ). `dflash verify` re-hashes against it; `dflash compare` diffs
 two of them.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 from datetime import UTC, datetime
@@ -94,6 +96,26 @@ def artefact_hashes(results: Path, paths: list[Path]) -> dict[str, str]:
         for name, digest in sha256_tree(path).items():
             hashes[(base / name).as_posix()] = digest
     return dict(sorted(hashes.items()))
+
+
+def input_record(results: Path, folder: Path) -> dict:
+    """An input of the run made under resources/ (the converted target): where it is, relative to
+    the results folder unless given absolute (so `verify` finds it from anywhere), and the sha256
+    of every file in it, keyed relative to it."""
+    if not folder.is_dir():
+        raise UserError(f"record: input folder {folder} does not exist")
+    path = folder if folder.is_absolute() else Path(os.path.relpath(folder, results))
+    return {"path": path.as_posix(), "sha256": sha256_tree(folder)}
+
+
+def parse_inputs(specs: list[str]) -> dict[str, Path]:
+    inputs = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not (sep and name and folder):
+            raise UserError(f"record: --input takes NAME=DIR, got {spec!r}")
+        inputs[name] = Path(folder)
+    return inputs
 
 
 def data_summary(stats: dict) -> dict:
@@ -197,26 +219,40 @@ def result_summaries(results: Path) -> dict:
     return sections
 
 
-def stage_records(results: Path, artefacts: dict[str, str]) -> dict:
+def stage_records(
+    results: Path, artefacts: dict[str, str], inputs: dict[str, Path] | None = None
+) -> dict:
     """Each recorded rule's stage manifest (stale ones from other configs are not artefacts and
-    are left out), without what the record already holds once: output hashes, the environment;
-    each stage keeps the names of the modules it ran, so `compare` can tell which edits could
-    have touched training or evaluation."""
+    are left out) and each input's (its folder's manifest.json), without what the record already
+    holds once: output hashes, the environment; each stage keeps the names of the modules it ran,
+    so `compare` can tell which edits could have touched training or evaluation."""
+    manifests = {
+        Path(rel).stem: results / rel
+        for rel in artefacts
+        if rel.startswith("manifests/") and rel.endswith(".json")
+    }
+    for name, folder in (inputs or {}).items():
+        if (folder / "manifest.json").is_file():
+            manifests[name] = folder / "manifest.json"
     stages = {}
-    for rel in artefacts:
-        if not (rel.startswith("manifests/") and rel.endswith(".json")):
-            continue
-        m = read_json(results / rel)
+    for name, path in sorted(manifests.items()):
+        m = read_json(path)
         env = m.pop("environment", None) or {}
         m.pop("output_sha256", None)
         m["code_files"] = sorted(m.get("code_files") or {})
         m["environment_sha256"] = env.get("sha256")
-        stages[Path(rel).stem] = m
+        stages[name] = m
     return stages
 
 
-def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir: Path | None):
-    results = Path(results)
+def build_record(
+    results: Path,
+    config: dict,
+    outputs: list[Path],
+    workflow_dir: Path | None,
+    inputs: dict[str, Path] | None = None,
+):
+    results, inputs = Path(results), inputs or {}
     files = source_files(workflow_dir)
     record = {
         "format": FORMAT,
@@ -230,12 +266,15 @@ def build_record(results: Path, config: dict, outputs: list[Path], workflow_dir:
         "topology": topology_summary(config["train"]),
         **result_summaries(results),
     }
+    # what the run read, made once under resources/ for every run that names it
+    record["inputs"] = {name: input_record(results, f) for name, f in sorted(inputs.items())}
     record["artefacts"] = artefact_hashes(results, outputs)
-    record["stages"] = stage_records(results, record["artefacts"])
+    record["stages"] = stage_records(results, record["artefacts"], inputs)
     return record
 
 
 def run(args) -> None:
-    record = build_record(args.results, args.config, args.outputs, args.workflow_dir)
+    inputs = parse_inputs(args.inputs)
+    record = build_record(args.results, args.config, args.outputs, args.workflow_dir, inputs)
     write_json(args.output, record)
     log.info("record: %d artefacts -> %s", len(record["artefacts"]), args.output)

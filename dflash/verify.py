@@ -1,9 +1,10 @@
-"""`dflash verify`: re-hash every artefact against the run record. Snakemake never re-checks
-outputs after a job, so this is the guard against silent corruption (a flipped bit, a partial
-copy, a file edited by hand)."""
+"""`dflash verify`: re-hash every artefact and every recorded input (the converted target under
+resources/) against the run record. Snakemake never re-checks outputs after a job, so this is the
+guard against silent corruption (a flipped bit, a partial copy, a file edited by hand)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dflash.errors import UserError
@@ -17,27 +18,41 @@ def manifest_path(run: str | Path) -> Path:
     return path / "MANIFEST.json" if path.is_dir() else path
 
 
-def check(manifest: Path) -> dict[str, list[str]]:
-    """Relative paths that are missing, changed, or present but not recorded."""
-    record = read_json(manifest)
-    results = manifest.parent
-    recorded = record["artefacts"]
-    missing, changed = [], []
-    for rel, digest in recorded.items():
-        path = results / rel
-        if not path.is_file():
-            missing.append(rel)
-        elif sha256_file(path) != digest:
-            changed.append(rel)
-    extra = [
+def unrecorded(folder: Path, recorded: dict, skip=()) -> list[str]:
+    return [
         rel
-        for p in sorted(results.rglob("*"))
+        for p in sorted(folder.rglob("*"))
         if p.is_file()
         and p.name != SNAKEMAKE_MARKER
-        and (rel := p.relative_to(results).as_posix()) not in recorded
-        and rel.split("/")[0] not in UNDECLARED
+        and (rel := p.relative_to(folder).as_posix()) not in recorded
+        and rel.split("/")[0] not in skip
     ]
+
+
+def check(manifest: Path) -> dict[str, list[str]]:
+    """Paths relative to the results folder that are missing, changed, or present but not
+    recorded: the artefacts under it, and each input's files (a path into resources/)."""
+    record = read_json(manifest)
+    results = manifest.parent
+    trees = [("", results, record["artefacts"], UNDECLARED)]
+    for entry in (record.get("inputs") or {}).values():
+        trees.append((entry["path"] + "/", results / entry["path"], entry["sha256"], ()))
+    missing, changed, extra = [], [], []
+    for prefix, folder, recorded, skip in trees:
+        for rel, digest in recorded.items():
+            path = folder / rel
+            if not path.is_file():
+                missing.append(prefix + rel)
+            elif sha256_file(path) != digest:
+                changed.append(prefix + rel)
+        if folder.is_dir():
+            extra += [prefix + rel for rel in unrecorded(folder, recorded, skip)]
     return {"missing": missing, "changed": changed, "extra": extra}
+
+
+def recorded_count(record: dict) -> int:
+    inputs = record.get("inputs") or {}
+    return len(record["artefacts"]) + sum(len(e["sha256"]) for e in inputs.values())
 
 
 def run(args) -> None:
@@ -45,12 +60,14 @@ def run(args) -> None:
     if not manifest.is_file():
         raise UserError(f"verify: {manifest} not found (run `snakemake --cores all all` first)")
     found = check(manifest)
-    n = len(read_json(manifest)["artefacts"])
+    n = recorded_count(read_json(manifest))
     for kind, paths in found.items():
         for rel in paths:
-            print(f"{kind:8} {manifest.parent / rel}")
+            print(f"{kind:8} {os.path.normpath(manifest.parent / rel)}")
     bad = {kind: len(paths) for kind, paths in found.items() if paths}
     if bad:
         counts = ", ".join(f"{v} {k}" for k, v in bad.items())
-        raise UserError(f"{manifest}: {counts} of {n} recorded artefacts")
-    print(f"{manifest}: all {n} artefacts match their recorded sha256, no unrecorded files")
+        raise UserError(f"{manifest}: {counts} of {n} recorded files (artefacts and inputs)")
+    print(
+        f"{manifest}: all {n} artefacts and inputs match their recorded sha256, no unrecorded files"
+    )

@@ -4,6 +4,7 @@ run from scratch for the tests that compare two runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -64,6 +65,13 @@ class Workflow:
     def results(self) -> Path:
         return self.workdir / "results"
 
+    @property
+    def target(self) -> Path:
+        """The converted target's folder under resources/ (hf/, target.json, manifest.json), as
+        the run's tokenize stage names it."""
+        manifest = json.loads((self.results / "manifests/tokenize_train.json").read_text())
+        return (self.workdir / manifest["inputs"]["target"]).parent
+
 
 @pytest.fixture(scope="session")
 def tiny_workflow(tmp_path_factory) -> Workflow:
@@ -93,7 +101,7 @@ def second_workflow(tiny_workflow, tmp_path_factory) -> Workflow:
 
 @pytest.fixture(scope="session")
 def target_dir(tiny_workflow) -> Path:
-    return tiny_workflow.results / "target" / "hf"
+    return tiny_workflow.target / "hf"
 
 
 @pytest.fixture(scope="session")

@@ -224,9 +224,13 @@ def run_folder(tmp_path) -> Path:
     from dflash.train.telemetry import summarize as summarize_train
 
     r = tmp_path / "results"
+    # the converted target lives under resources/; the run's record names it as an input
+    target = "../resources/target/SmolLM2-135M-Instruct-Q8_0-0123456789ab"
     write(
-        r / "target/hf/config.json", (REPO / "bench/configs/smollm2-135m/config.json").read_text()
+        r / target / "hf/config.json",
+        (REPO / "bench/configs/smollm2-135m/config.json").read_text(),
     )
+    write(r / "MANIFEST.json", json.dumps({"inputs": {"target": {"path": target, "sha256": {}}}}))
     frame = pl.DataFrame({"length": [1000, 1200, 800, 1400], "trainable": [800, 1000, 600, 1200]})
     stats = length_stats(frame, [512, 1024, 2048], 2048, 16384, 64)
     write(r / "data/stats/stats.json", json.dumps(stats))

@@ -76,19 +76,28 @@ def test_two_full_runs_give_identical_records_but_for_the_volatile_fields(run_a,
     }
     assert a["data"]["rows"] > 0 and a["train"]["result"]["steps"] > 0
     assert a["eval"]["quality"]["lossless"] == 1.0
-    assert {"train", "eval_acceptance", "tokenize_train"} <= set(a["stages"])
+    assert {"train", "eval_acceptance", "tokenize_train", "target"} <= set(a["stages"])
+    # the converted target is an input of the run, recorded where it is (under resources/)
+    target = a["inputs"]["target"]
+    assert target["path"].startswith("../resources/target/SmolLM2-135M-Instruct")
+    assert (run_a.results / target["path"]).resolve() == run_a.target.resolve()
+    assert {"hf/model.safetensors", "target.json", "manifest.json"} <= target["sha256"].keys()
+    assert target == b["inputs"]["target"]
+    assert not any(rel.startswith("target/") for rel in a["artefacts"])
     # every artefact under results/ is recorded: nothing a rule writes escapes the record
     assert dflash(run_a, "verify", "results").returncode == 0
 
 
-# one artefact of each kind the workflow writes
+# one artefact of each kind the workflow writes, and files of the converted target it read
+# (<target>: its folder under resources/)
 FLIPPED = [
     "data/expanded/train.parquet",
     "data/tokenized/train.parquet",
     "data/stats/stats.json",
     "data/stats/stats.png",
-    "target/hf/model.safetensors",
-    "target/hf/tokenizer.json",
+    "<target>/hf/model.safetensors",
+    "<target>/hf/tokenizer.json",
+    "<target>/target.json",
     "drafter/model.safetensors",
     "drafter/config.json",
     "drafter/dflash.py",
@@ -102,7 +111,11 @@ FLIPPED = [
 
 @pytest.mark.parametrize("rel", FLIPPED)
 def test_verify_catches_a_flipped_byte(run_a, rel):
-    path = run_a.results / rel
+    if rel.startswith("<target>/"):
+        shown = (run_a.target / rel.split("/", 1)[1]).relative_to(run_a.workdir).as_posix()
+    else:
+        shown = f"results/{rel}"
+    path = run_a.workdir / shown
     original = path.read_bytes()
     flipped = bytearray(original)
     flipped[len(flipped) // 2] ^= 0x01
@@ -110,7 +123,7 @@ def test_verify_catches_a_flipped_byte(run_a, rel):
         path.write_bytes(bytes(flipped))
         done = dflash(run_a, "verify", "results")
         assert done.returncode == 1
-        assert f"changed  results/{rel}" in done.stdout
+        assert f"changed  {shown}" in done.stdout
         assert "1 changed of" in done.stderr
     finally:
         path.write_bytes(original)
@@ -286,6 +299,20 @@ def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[st
 
 
 DOWNSTREAM_OF_TRAINING = {"train", "eval_acceptance", "eval_ddtree", "report", "record"}
+
+
+def test_moving_the_checkout_reruns_nothing(run_a, tmp_path):
+    """No rule's param holds where the checkout lives (the record's workflow folder did, as an
+    absolute path): the checkout and its working directory moved together plan no job."""
+    moved = tmp_path / "moved"
+    skip = shutil.ignore_patterns("__pycache__", "results-*", "checkpoints")
+    for name in ("repo", "work"):
+        shutil.copytree(run_a.workdir.parent / name, moved / name, ignore=skip)
+    assert (run_a.repo, run_a.workdir) == (
+        run_a.workdir.parent / "repo",
+        run_a.workdir.parent / "work",
+    )
+    assert Workflow(moved / "repo", moved / "work").planned_jobs("all") == {}
 
 
 def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):

@@ -104,7 +104,7 @@ def test_the_rehearsal_config_runs_every_stage_with_a_random_qwen3(tmp_path):
         shutil.copy(TESTS / "data" / name, work / name)
     flow = Workflow(REPO, work)
     flow.run("all", config="tiny-rehearsal.yaml")
-    info = json.loads((flow.results / "target" / "target.json").read_text())
+    info = json.loads((flow.target / "target.json").read_text())
     assert info["model_type"] == "qwen3" and info["random_init"]["seed"] == 0
     assert info["mask_token_id"] == 151_669
     stats = json.loads((flow.results / "data" / "stats" / "stats.json").read_text())

@@ -82,7 +82,7 @@ def test_training_finds_every_graph_the_warmup_compiled(cold, tiny_workflow, tmp
     }
     out = [f"--{k}={tmp_path / v}" for k, v in (("out", "d"), ("metrics", "m.jsonl"),
            ("summary", "s.json"), ("checkpoints", "ck"))]  # fmt: skip
-    target = tiny_workflow.results / "target/hf"
+    target = tiny_workflow.target / "hf"
     data_file = tiny_workflow.results / "data/tokenized/train.parquet"
     done = subprocess.run(
         [sys.executable, "-m", "dflash", "train", "--config", json.dumps(CONFIG),

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from conftest import TESTS, Workflow
 
-from dflash.io import sha256_file
+from dflash.io import sha256_file, sha256_tree
 from dflash.train import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,14 +44,16 @@ def test_outputs_and_manifests(tiny_workflow):
     assert stats["rows"] == train.height
     assert (results / "data/stats/stats.png").read_bytes()[:4] == b"\x89PNG"
 
-    for manifest in (results / "manifests").glob("*.json"):
+    # the stages' manifests, and the target rule's beside its conversion under resources/
+    manifests = [*(results / "manifests").glob("*.json"), tiny_workflow.target / "manifest.json"]
+    for manifest in manifests:
         m = json.loads(manifest.read_text())
         for name, files in m["output_sha256"].items():
             base = Path(tiny_workflow.workdir / m["outputs"][name])
             for rel, digest in files.items():
                 path = base if base.is_file() else base / rel
                 assert sha256_file(path) == digest, f"{manifest.name}: {path}"
-    target = json.loads((results / "target/target.json").read_text())
+    target = json.loads((tiny_workflow.target / "target.json").read_text())
     assert target["mask_token_id"] == 3 and target["num_hidden_layers"] == 30
 
 
@@ -221,10 +223,10 @@ def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
     assert flow.planned_jobs("stats") == {}
 
 
-def data_stage_hashes(results: Path) -> dict[str, str]:
-    """sha256 of what `stats` builds: the target, the data, and the manifests of those stages
-    (every output of theirs is under target/ or data/)."""
-    built = ("target/", "data/")
+def data_stage_hashes(flow) -> dict[str, str]:
+    """sha256 of what `stats` builds: the target (under resources/, keyed target/...), the data,
+    and the manifests of those stages (every output of theirs is under data/)."""
+    results, built = flow.results, ("data/",)
 
     def by_data_stage(rel: str) -> bool:
         if rel.startswith("manifests/"):
@@ -232,17 +234,35 @@ def data_stage_hashes(results: Path) -> dict[str, str]:
             return all(Path(o).relative_to("results").as_posix().startswith(built) for o in outputs)
         return rel.startswith(built)
 
-    return {rel: h for rel, h in output_hashes(results).items() if by_data_stage(rel)}
+    target = {f"target/{rel}": h for rel, h in sha256_tree(flow.target).items()}
+    return target | {rel: h for rel, h in output_hashes(results).items() if by_data_stage(rel)}
+
+
+def test_deleting_results_converts_nothing_again(tiny_workflow, tmp_path):
+    """The converted target is a reference input under resources/: after `rm -rf results` a dry
+    run plans every data stage but no target rule, and the rerun reads the same conversion."""
+    work = tmp_path / "work"  # a copy of the run's folder, .snakemake included
+    shutil.copytree(tiny_workflow.workdir, work, ignore=shutil.ignore_patterns("results-*"))
+    flow = Workflow(tiny_workflow.repo, work)
+    target = flow.target
+    assert target.relative_to(work).parts[:2] == ("resources", "target")
+    before = sha256_tree(target)
+    shutil.rmtree(flow.results)
+    planned = flow.planned_jobs("stats")
+    assert "target" not in planned and DATA_RULES <= planned.keys()
+    flow.run("stats")
+    assert flow.target == target and sha256_tree(target) == before
+    assert flow.planned_jobs("stats") == {}
 
 
 def test_a_second_run_from_scratch_builds_byte_identical_data(tiny_workflow, second_workflow):
     """The data stages are deterministic: the second run, in another folder and without the
     first one's resume state, writes the same bytes (test_record compares the two runs'
     records)."""
-    first = data_stage_hashes(tiny_workflow.results)
-    second = data_stage_hashes(second_workflow.results)
+    first = data_stage_hashes(tiny_workflow)
+    second = data_stage_hashes(second_workflow)
     assert {"target/hf/model.safetensors", "data/tokenized/train.parquet"} <= first.keys()
-    assert {"manifests/target.json", "manifests/regenerate_train_1.json"} <= first.keys()
+    assert {"target/manifest.json", "manifests/regenerate_train_1.json"} <= first.keys()
     assert "manifests/train.json" not in first
     assert first.keys() == second.keys()
     assert [k for k in first if first[k] != second[k]] == []
@@ -360,7 +380,7 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
     config["eval"]["ddtree"] = {"budgets": [4], "max_prompts": 1, "with_lookup": True}
     config["eval"]["dtype"] = "bfloat16"  # as a serving engine decodes: near ties forgiven
     r = flow.results
-    common = ["--config", json.dumps(config), "--target", str(r / "target/hf")]
+    common = ["--config", json.dumps(config), "--target", str(flow.target / "hf")]
     common += ["--drafter", str(r / "drafter"), "--held-out", str(r / "data/expanded/eval.parquet")]
     for cmd, extra in (
         ("eval", ["--tokenized", str(r / "data/tokenized/eval.parquet")]),

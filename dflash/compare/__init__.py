@@ -19,6 +19,14 @@ from dflash.record import VOLATILE
 __all__ = ["compare", "load_run", "render", "run"]
 
 
+def recorded_files(record: dict) -> dict[str, str]:
+    """The artefacts and each input's files (keyed NAME/path: the target's as target/hf/...)."""
+    files = dict(record.get("artefacts") or {})
+    for name, entry in (record.get("inputs") or {}).items():
+        files.update({f"{name}/{rel}": digest for rel, digest in entry["sha256"].items()})
+    return files
+
+
 def compare(a: dict, b: dict) -> dict:
     effs = effects(a, b)
     real = [
@@ -47,7 +55,7 @@ def compare(a: dict, b: dict) -> dict:
     ranked = causes(
         a, b, *((real[0]["metric"], real[0]["change_pct"]) if real else ("throughput",))
     )
-    fa, fb = a.get("artefacts") or {}, b.get("artefacts") or {}
+    fa, fb = recorded_files(a), recorded_files(b)
     if not (fa and fb):  # a partial record has none: nothing to compare file by file
         fa = fb = {}
     differ = sorted(k for k in set(fa) & set(fb) if fa[k] != fb[k])

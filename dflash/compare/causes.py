@@ -28,7 +28,7 @@ SLOWER_CLOCK = 0.1
 
 # Code and config that cannot touch training (evaluation, reporting, file locations).
 EVAL_ONLY_CODE = ("dflash/eval/", "dflash/record.py", "dflash/compare/", "dflash/verify.py")
-INERT_CONFIG = ("results", "cache_dir", "compile.cache_dir", "data.previous_stats")
+INERT_CONFIG = ("results", "resources", "cache_dir", "compile.cache_dir", "data.previous_stats")
 
 
 def topology_cause(a, b) -> dict | None:

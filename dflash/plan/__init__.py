@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.plan.from_run import run_rates, run_settings
+from dflash.plan.from_run import run_rates, run_settings, target_config
 from dflash.plan.rates import PRESETS, RATES
 from dflash.plan.shapes import (
     Data,
@@ -48,7 +48,7 @@ def target_of(args) -> tuple[str, Shape, str, dict | None]:
     """(name, shape, source) of the plan's target, and the run's target config for --from-run."""
     run_cfg = None
     if args.from_run:
-        path = Path(args.from_run) / "target/hf/config.json"
+        path = target_config(Path(args.from_run))
         if path.is_file():
             run_cfg = json.loads(path.read_text())
         elif not (args.target or args.params):
@@ -62,7 +62,7 @@ def target_of(args) -> tuple[str, Shape, str, dict | None]:
         return (*resolve_target(args.target), run_cfg)
     if not args.from_run:
         raise UserError("--target: name a target (a preset, a HF folder, or --params N)")
-    where = f"{args.from_run}/target/hf/config.json"
+    where = str(target_config(Path(args.from_run)))
     shape = Shape.from_config(run_cfg, where)
     return preset_name(shape) or "the run's target", shape, where, run_cfg
 

@@ -9,7 +9,8 @@ What each stage of the run wrote (the same files and keys the stages write):
 - eval/acceptance.json (dflash.eval.run): `tokens` and `tokens_per_s` of the drafter and of each
   baseline (their decoding seconds), `n_prompts`, `max_new_tokens`;
 - manifests/*.json: the stages' params (drafter, regeneration batch) and the GPU model;
-- data/stats/stats.json (dflash.data.stats): the rows' mean lengths the rates were measured at.
+- data/stats/stats.json (dflash.data.stats): the rows' mean lengths the rates were measured at;
+- the target's config.json, in resources/ where the record names it (`target_config`).
 Tokenization records no time of its own, so that stage keeps the shipped table's rate.
 """
 
@@ -26,6 +27,25 @@ from dflash.plan.shapes import Data, data_from_stats
 
 REGENERATE_LINE = re.compile(r"regenerate: (\{.*\})\s*$")
 TIER_LINE = re.compile(r"regenerate: prompt tier \{")
+
+
+def target_config(run: Path) -> Path:
+    """The run's target config.json: in the converted target under resources/ that the run's
+    record (MANIFEST.json) or, before the record, a stage manifest names; or under the run
+    itself (an earlier layout, results/target/hf). The path the first candidate names, if none
+    exists."""
+    candidates = [run / "target/hf/config.json"]
+    record = run / "MANIFEST.json"
+    if record.is_file():
+        entry = (json.loads(record.read_text()).get("inputs") or {}).get("target")
+        if entry:
+            candidates.insert(0, run / entry["path"] / "hf/config.json")
+    for manifest in sorted((run / "manifests").glob("tokenize_*.json")):
+        target = json.loads(manifest.read_text()).get("inputs", {}).get("target")
+        if target:  # as the workflow named it, from its working directory
+            for base in (Path.cwd(), run.parent):
+                candidates.append(base / target / "config.json")
+    return next((c for c in candidates if c.is_file()), candidates[0])
 
 
 def gpu_kind(manifest: dict) -> str:

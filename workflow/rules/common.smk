@@ -2,6 +2,7 @@
 # code and environment (Snakemake cannot see imported modules or pip upgrades by itself); the
 # rule files' input and param functions live here too, so that those files hold rules only.
 import json
+import re
 import shlex
 import shutil
 import sys
@@ -11,13 +12,16 @@ from snakemake.io import is_flagged
 
 from dflash.config import validate as dflash_validate
 from dflash.eval.report import PLOTS
-from dflash.io import sha256_file
+from dflash.io import sha256_file, sha256_json
 from dflash.manifest import code_hash, environment_hash
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
 dflash_validate(config, "workflow config")
 
 R = config["results"]
+# Reference inputs fetched or converted once (the target rule's conversion), outside the results
+# of any one run, so that `rm -rf results` converts and downloads nothing again.
+RES = config["resources"]
 SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
 ENV_HASH = environment_hash()
 # Whether GPU rules ask for GPUs: on a SLURM login node there may be no nvidia-smi, yet the jobs
@@ -68,8 +72,40 @@ def config_json(*paths):
     return json.dumps(subset, sort_keys=True)
 
 
+def random_init_config_hash():
+    """sha256 of a rehearsal target's model config, so editing it rebuilds the target."""
+    spec = config["target"]["random_init"]
+    if not spec:
+        return None
+    path = spec["config"]
+    return sha256_file(
+        os.path.join(path, "config.json") if os.path.isdir(path) else path
+    )
+
+
+def target_key():
+    """The target rule's folder name under resources/target: a readable name and a hash of
+    everything that builds it (the target config, a rehearsal's model config). Configs naming
+    the same target share one conversion; two different targets never overwrite each other.
+    """
+    cfg = config["target"]
+    if cfg["random_init"]:
+        model_config = os.path.normpath(cfg["random_init"]["config"])
+        name = os.path.basename(model_config).removesuffix(".json") + "-random"
+    elif cfg["gguf_wheel"]:
+        name = os.path.splitext(os.path.basename(cfg["gguf_wheel"]["file"]))[0]
+    else:
+        name = cfg["hub_id"] or "target"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+    built = {"target": cfg, "model_config": random_init_config_hash()}
+    return f"{name}-{sha256_json(built)[:12]}"
+
+
+# The target rule's folder: the HF directory, its facts (target.json) and its stage manifest.
+TARGET_KEY = target_key()
+TARGET_DIR = f"{RES}/target/{TARGET_KEY}"
 # The target as an HF directory: the user's local path, or the target rule's output.
-TARGET = config["target"]["path"] or f"{R}/target/hf"
+TARGET = config["target"]["path"] or f"{TARGET_DIR}/hf"
 # The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
 TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
 # The trained drafter, declared as files: its config, weights and modeling file (auto_map).
@@ -86,7 +122,7 @@ def target_input():
     of every file in it; a user's folder is ancient() and identified by target_fingerprint().
     """
     path = config["target"]["path"]
-    return ancient(path) if path else f"{R}/manifests/target.json"
+    return ancient(path) if path else f"{TARGET_DIR}/manifest.json"
 
 
 if config["target"]["path"]:
@@ -105,17 +141,6 @@ def target_fingerprint():
         return None
     files = sorted(os.listdir(path))
     return {f: os.path.getsize(os.path.join(path, f)) for f in files}
-
-
-def random_init_config_hash():
-    """sha256 of a rehearsal target's model config, so editing it rebuilds the target."""
-    spec = config["target"]["random_init"]
-    if not spec:
-        return None
-    path = spec["config"]
-    return sha256_file(
-        os.path.join(path, "config.json") if os.path.isdir(path) else path
-    )
 
 
 def regenerated(split):
@@ -174,14 +199,18 @@ def eval_set_hashes():
 
 
 def recorded_rules():
-    """The rules whose outputs this config produces."""
+    """The rules whose outputs this config produces under results/ (not the target rule: its
+    conversion is an input of the run, recorded as one)."""
     names = ["expand_dataset", "tokenize", "length_stats", "warmup_compile", "train"]
     names += ["eval_acceptance", "eval_ddtree", "report"]
-    if not config["target"]["path"]:
-        names.append("target")
     if config["data"]["regenerate"]["enabled"]:
         names += ["regenerate_shard", "regenerate"]
     return names
+
+
+# The run's inputs made by rules of their own under resources/, recorded as inputs (name -> the
+# stage manifest in the folder to record): the target rule's conversion.
+RECORDED_INPUTS = {} if config["target"]["path"] else {"target": target_input()}
 
 
 def declared_outputs(folders=True):

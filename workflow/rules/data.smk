@@ -2,13 +2,15 @@
 
 
 rule target:
-    """Turn the configured target (GGUF wheel or hub id) into a plain HF directory."""
+    """Turn the configured target (GGUF wheel, hub id or rehearsal) into a plain HF directory,
+    under resources/ (an input of every run that names this target, not an output of one).
+    """
     output:
-        model=directory(f"{R}/target/hf"),
-        info=f"{R}/target/target.json",
-        manifest=f"{R}/manifests/target.json",
+        model=directory(f"{TARGET_DIR}/hf"),
+        info=f"{TARGET_DIR}/target.json",
+        manifest=f"{TARGET_DIR}/manifest.json",
     log:
-        f"{R}/logs/target.log",
+        f"{RES}/logs/target/{TARGET_KEY}.log",
     params:
         config=config_json("target", "cache_dir"),
         model_config=random_init_config_hash(),

@@ -10,8 +10,9 @@ rule record:
     """results/MANIFEST.json: sha256 of every artefact plus code, environment, config, data,
     topology, throughput per role and τ."""
     input:
-        # not the target's folder (see target_input); its stage manifest is among these
-        declared_outputs(folders=False),
+        # not the target's folder (see target_input): its stage manifest
+        outputs=declared_outputs(folders=False),
+        inputs=RECORDED_INPUTS.values(),
     output:
         report(
             f"{R}/MANIFEST.json", category="Run record", caption="../report/record.rst"
@@ -20,15 +21,19 @@ rule record:
         f"{R}/logs/record.log",
     params:
         results=lambda wildcards, output: os.path.dirname(output[0]),
-        workflow_dir=workflow.basedir,
+        # relative to the working directory: moving the checkout (the working directory inside
+        # it) reruns nothing; what the workflow files hold is params.code
+        workflow_dir=os.path.relpath(workflow.basedir),
         config=json.dumps(config, sort_keys=True),
         code=source_files(Path(workflow.basedir)),
         git=git_state(PACKAGE_ROOT.parent),
         env=ENV_HASH,
         artefacts=declared_outputs(),
+        inputs=[f"--input={k}={os.path.dirname(v)}" for k, v in RECORDED_INPUTS.items()],
     shell:
         "python -m dflash record --config {params.config:q} --results {params.results}"
-        " --workflow-dir {params.workflow_dir} --output {output} {params.artefacts} > {log} 2>&1"
+        " --workflow-dir {params.workflow_dir:q} --output {output}"
+        " {params.inputs:q} {params.artefacts} > {log} 2>&1"
 
 
 rule verify:
