@@ -36,7 +36,7 @@ from dflash.eval.decode import (  # noqa: E402
     generate,
 )
 from dflash.eval.metrics import acceptance  # noqa: E402
-from dflash.eval.run import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
+from dflash.eval.setup import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
 from dflash.model.decoder import supports_static  # noqa: E402
 from dflash.model.drafter import Drafter, DrafterConfig, load_drafter  # noqa: E402
 

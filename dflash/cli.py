@@ -47,7 +47,7 @@ def _add(sub, name: str, help: str, config: bool = True):
 
 
 def _add_decoding(sub, name: str, help: str):
-    """A stage that decodes the eval prompts (dflash.eval.run.Setup reads these arguments)."""
+    """A stage that decodes the eval prompts (dflash.eval.setup.Setup reads these arguments)."""
     p = _add(sub, name, help)
     p.add_argument("--target", type=Path, required=True, help="target HF directory")
     p.add_argument("--drafter", type=Path, required=True, help="exported drafter HF directory")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.drafter import apply_rope
+from dflash.model.rope import apply_rope
 
 # Pre-norm decoders whose attention is q/k/v/o projections (+ optional q/k RMSNorm) with RoPE.
 STATIC_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")

@@ -21,6 +21,8 @@ from torch import nn
 
 from dflash.io import atomic_path, write_json
 from dflash.model import modeling_dflash
+from dflash.model.layer_ids import default_layer_ids
+from dflash.model.rope import apply_rope
 
 
 @dataclass
@@ -51,8 +53,6 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
     ) -> DrafterConfig:
         """Width, heads and RoPE from the target; depth, block size and mask token from us."""
-        from dflash.model.target import default_layer_ids
-
         t = (
             target_config.get_text_config()
             if hasattr(target_config, "get_text_config")
@@ -144,16 +144,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """x: (b, heads, n, d); cos/sin: (b, n, d)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class Attention(nn.Module):

@@ -16,17 +16,8 @@ from torch import nn
 
 from dflash.errors import UserError
 from dflash.model.decoder import head_dim, layer_output, supports_static
+from dflash.model.layer_ids import default_layer_ids  # noqa: F401 (re-exported)
 from dflash.model.memory import require_target_fits
-
-
-def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spaced from layer 1 to L-3 (DESIGN 4); layer i is `hidden_states[i + 1]`."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [
-        round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)
-    ]
 
 
 def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:

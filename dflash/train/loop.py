@@ -13,7 +13,8 @@ weights as an uninterrupted one, and two runs with one topology agree bit for bi
 
 Here: the entry point and a target rank's loop. The parts: `batches` (rows and epoch plans),
 `features` (the target on a rank), `runs` (run folders, resume, traces), `trainer` (a drafter
-rank), `comm` (the links), `telemetry` (the numbers of a step window).
+rank), `progress` (a step as queued, and rank 0's progress bar or log line), `comm` (the links),
+`telemetry` (the numbers of a step window).
 """
 
 from __future__ import annotations

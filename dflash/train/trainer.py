@@ -7,10 +7,7 @@ import contextlib
 import json
 import logging
 import math
-import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +17,7 @@ from dflash.host import HostMonitor, process_age_s
 from dflash.io import sha256_file
 from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter, init_from_target_top
-from dflash.model.objective import default_gamma, host_metrics
+from dflash.model.objective import default_gamma
 from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
@@ -35,6 +32,7 @@ from dflash.train.features import (
     out_of_memory_hint,
     target_dtype,
 )
+from dflash.train.progress import Progress, QueuedStep
 from dflash.train.runs import Trace, keep_metrics_upto, resume_point
 from dflash.train.telemetry import Window, node_gpu_uuids, step_record, watch_syncs
 
@@ -51,20 +49,6 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-@dataclass
-class QueuedStep:
-    """An optimizer step whose work is queued on the device; its line is written later."""
-
-    step: int
-    epoch: int
-    batch: int
-    lr: float
-    grad_norm: torch.Tensor
-    window: Window
-    metrics: list[dict]  # each micro-batch's, device tensors
-    tau_sim: dict  # tau_sim and tau_sim_first, when logged at this step
 
 
 class Trainer:
@@ -259,6 +243,7 @@ class Trainer:
             log.info("%s: first step %s s after its process started", self.ctx.name, self.startup_s)
             if self.ctx.rank == 0:
                 self.host = HostMonitor(node_gpu_uuids(self.device))
+                self.progress = Progress(self.total_steps, self.step, log)
             with watch_syncs(self.device):
                 self._train_epochs(live, trace)
             self.writer.wait()  # the last checkpoint is on disk before the run counts as done
@@ -266,6 +251,8 @@ class Trainer:
         finally:
             self.writer.wait(raise_error=False)
             if self.ctx.rank == 0:
+                if hasattr(self, "progress"):
+                    self.progress.close()
                 if hasattr(self, "host"):
                     self.host.close()
                 self.board.close(failed)  # an MLflow run ends with the process: FAILED or not
@@ -362,13 +349,7 @@ class Trainer:
 
     def log_step(self, queued: QueuedStep, live: Path) -> None:
         """Write a queued step's line (waits for the device to finish that step)."""
-        metrics = [host_metrics(m) for m in queued.metrics]
-        mean = {
-            "loss": statistics.fmean(m["loss"] for m in metrics),
-            "tau": statistics.fmean(m["tau"] for m in metrics),
-            "acc": [statistics.fmean(a) for a in zip(*(m["acc"] for m in metrics), strict=True)],
-        }
-        gathered = self.ctx.drafter_gather((queued.window.close(), mean))
+        gathered = self.ctx.drafter_gather((queued.window.close(), queued.means()))
         if self.ctx.rank != 0:
             return
         windows, means = zip(*gathered, strict=True)
@@ -385,22 +366,4 @@ class Trainer:
         with live.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.board.log(record)
-        self.progress(record)
-
-    def progress(self, record: dict) -> None:
-        queue = record.get("queue_depth")
-        depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
-        sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
-        if "tau_sim_first" in record:
-            sim += f" (first answers {record['tau_sim_first']:.3f})"
-        line = (
-            f"step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
-            f"tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
-            f"{record['tokens_per_s']:.0f} tok/s{depth}"
-        )
-        if sys.stderr.isatty():
-            done = record["step"] / self.total_steps
-            bar = "#" * int(30 * done)
-            print(f"\r[{bar:<30}] {line}", end="", file=sys.stderr, flush=True)
-        else:
-            log.info(line)
+        self.progress.update(record)

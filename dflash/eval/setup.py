@@ -1,0 +1,164 @@
+"""What every eval command loads before it decodes (`Setup`): the target with a KV cache, the
+drafter, the eval prompts encoded with the target's chat template, its stop tokens and the
+fingerprints of both models' weights; and the decoding of every prompt by one method, logged.
+The two stages that use it are `dflash.eval.run` (`run`: acceptance; `run_ddtree`: tree budgets).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dflash.config import expand_user
+from dflash.eval.decode import (
+    DrafterProposer,
+    Generation,
+    Proposer,
+    generate,
+    generate_tree,
+    target_session,
+)
+from dflash.eval.lookup import prompt_lookup_draft
+from dflash.eval.sets import EvalPrompt, load_eval_set
+from dflash.gpus import claim_gpu
+from dflash.io import sha256_file, sha256_json
+from dflash.model.drafter import load_drafter
+from dflash.model.precision import resolve_dtype
+from dflash.model.step import resolve_device
+from dflash.model.target import load_target
+
+log = logging.getLogger(__name__)
+
+
+class LookupProposer(Proposer):
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def propose(self, committed, features):
+        return prompt_lookup_draft(committed, self.block_size - 1)
+
+
+def eos_ids(target_dir: Path, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(target_dir).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos])
+    except OSError:
+        pass
+    return {i for i in ids if i is not None}
+
+
+def encode(tokenizer, prompt: EvalPrompt) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        prompt.messages, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def eval_prompts(config: dict, held_out: Path, cap: int | None = None) -> list[EvalPrompt]:
+    """The prompts of every eval set; `cap` limits each set further (DDTree's subset)."""
+    prompts = []
+    cache_dir = expand_user(config["cache_dir"])
+    for i, spec in enumerate(config["eval"]["sets"]):
+        spec = dict(spec)
+        if spec["format"] == "held_out" and not spec.get("path"):
+            spec["path"] = str(held_out)
+        spec.setdefault("max_prompts", config["eval"]["max_prompts"])
+        if cap is not None:
+            spec["max_prompts"] = min(spec["max_prompts"], cap)
+        prompts += load_eval_set(spec, key=f"eval.sets[{i}]", cache_dir=cache_dir)
+    return prompts
+
+
+def weights_sha256(folder: Path) -> str:
+    """sha256 of a model's weights: of its model.safetensors, or over every shard's sha256 for a
+    large model saved in shards (model-00001-of-00004.safetensors, ...)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if [f.name for f in files] == ["model.safetensors"]:
+        return sha256_file(files[0])
+    return sha256_json({f.name: sha256_file(f) for f in files})
+
+
+class Setup:
+    """What every eval command loads: the target with a KV cache, the drafter, the prompts."""
+
+    def __init__(self, args, max_prompts: int | None = None):
+        from transformers import AutoTokenizer
+
+        config = self.config = args.config
+        # a GPU of its own where the host has several (the eval rules run side by side)
+        auto_gpu = config["eval"]["device"] == "auto" and torch.cuda.is_available()
+        device = claim_gpu() if auto_gpu else resolve_device(config["eval"]["device"])
+        self.dtype = resolve_dtype(config["eval"]["dtype"], device)
+        self.model = load_target(args.target, dtype=self.dtype, device=device)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.target)
+        self.drafter = load_drafter(args.drafter, dtype=self.dtype, device=device).eval()
+        self.session = target_session(self.model, self.drafter.config.target_layer_ids)
+        log.info("target session: %s on %s", type(self.session).__name__, device)
+        self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight
+        self.block_size = self.drafter.config.block_size
+        self.stop = eos_ids(args.target, self.tokenizer)
+        self.prompts = eval_prompts(config, args.held_out, max_prompts)
+        self.max_new = config["eval"]["max_new_tokens"]
+        self.sha = {
+            "drafter_sha256": sha256_file(Path(args.drafter) / "model.safetensors"),
+            "target_sha256": weights_sha256(Path(args.target)),
+        }
+
+    def reference(self) -> list[Generation]:
+        """Target-only greedy decoding of every prompt; later turns (followups) are added to the
+        prompts after the target's own answer to the turn before, and decoded too."""
+        gens, pending = [], list(self.prompts)
+        self.prompts, self.encoded = [], []
+        while pending:
+            encoded = [encode(self.tokenizer, p) for p in pending]
+            out = [self._decode(Proposer(), ids) for ids in encoded]
+            self.prompts += pending
+            self.encoded += encoded
+            gens += out
+            pending = [
+                p.followup(self.tokenizer.decode(g.tokens, skip_special_tokens=True))
+                for p, g in zip(pending, out, strict=True)
+                if p.followups
+            ]
+        log_generations("target", gens)
+        return gens
+
+    def _decode(self, proposer: Proposer, ids: list[int]) -> Generation:
+        return generate(self.session, proposer, ids, self.max_new, self.stop)
+
+    def decode(self, name: str, proposer: Proposer) -> list[Generation]:
+        gens = [self._decode(proposer, ids) for ids in self.encoded]
+        log_generations(name, gens)
+        return gens
+
+    def decode_tree(
+        self, name: str, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool
+    ) -> list[Generation]:
+        """Every prompt decoded with a draft tree (`generate_tree`): DDTree of `budget` nodes, or
+        the drafter's chain (None); `lookup` adds prompt lookup's continuation as a branch."""
+        gens = [
+            generate_tree(
+                self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup
+            )
+            for ids in self.encoded
+        ]
+        log_generations(name, gens)
+        return gens
+
+
+def log_generations(name: str, gens: list[Generation]) -> None:
+    tokens = sum(sum(g.accepted) for g in gens)
+    seconds = sum(g.seconds for g in gens)
+    log.info(
+        "%s: %d tokens in %.1f s (%.1f tokens/s), %d prompts",
+        name,
+        tokens,
+        seconds,
+        tokens / seconds if seconds else 0.0,
+        len(gens),
+    )

@@ -1,0 +1,131 @@
+"""The package's layout: no import circle among `dflash` modules, the one-way doors between its
+subpackages, and no module over 400 lines. Read from the source with `ast`, so an import inside a
+function counts as much as one at the top of a file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash"
+MAX_LINES = 400
+
+# (importer, imported): a module under the first prefix never imports one under the second.
+DOORS = [
+    ("dflash.data", "dflash.train"),
+    ("dflash.data", "dflash.eval"),
+    ("dflash.eval", "dflash.train"),
+    ("dflash.model", "dflash.data"),
+    ("dflash.model", "dflash.train"),
+    ("dflash.model", "dflash.eval"),
+    ("dflash.model", "dflash.cli"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The `dflash` modules that `name` imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the module `pkg.mod`; `from mod import name`, `mod`.
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_sees_imports():
+    edges = graph()
+    assert "dflash.model.drafter" in edges
+    assert "dflash.io" in edges["dflash.model.drafter"]
+    # `from dflash.model import modeling_dflash` names the module, not the package.
+    assert "dflash.model.modeling_dflash" in edges["dflash.model.drafter"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_circle():
+    assert circles(graph()) == []
+
+
+@pytest.mark.parametrize(("importer", "imported"), DOORS)
+def test_one_way_doors(importer, imported):
+    crossings = sorted(
+        (name, dep)
+        for name, deps in graph().items()
+        if under(name, importer)
+        for dep in deps
+        if under(dep, imported)
+    )
+    assert crossings == [], f"{importer} imports {imported}"
+
+
+def test_no_module_over_400_lines():
+    long = {
+        name: n
+        for name, path in modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
