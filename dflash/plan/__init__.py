@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from dflash.errors import UserError
+from dflash.plan.basis import Plan
 from dflash.plan.from_run import run_rates, run_settings, target_config
 from dflash.plan.rates import PRESETS, RATES
 from dflash.plan.shapes import (
@@ -28,7 +29,7 @@ from dflash.plan.shapes import (
     preset_name,
     resolve_target,
 )
-from dflash.plan.stages import Plan, summarize
+from dflash.plan.stages import summarize
 
 # What a plan assumes of the data when nothing says otherwise (the public recipe's size; its
 # mean lengths are not published with it: these are assumptions, printed as such).
