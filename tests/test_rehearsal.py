@@ -10,6 +10,7 @@ import torch
 import yaml
 from conftest import REPO, TESTS, Workflow
 from safetensors.torch import load_file
+from test_tokenization import trainable_runs
 
 from dflash.config import expand_user, load_config
 from dflash.data.tokenization import encode
@@ -83,14 +84,7 @@ def test_qwen3_multi_turn_loss_mask_covers_every_answer_and_its_end_of_turn(qwen
         {"role": "assistant", "content": "ok ok"},
     ]
     ids, mask, _ = encode(tokenizer, turns, truncated={5}, max_length=1000)
-    runs, current = [], []
-    for token, m in zip(ids, mask, strict=True):
-        if m:
-            current.append(token)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    runs += [tokenizer.decode(current)] if current else []
+    runs = trainable_runs(tokenizer, ids, mask)
     eot = "<|im_end|>"
     assert runs == [answer + eot, answer + eot, "<think>\n\n</think>\n\nok ok"]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.tiers import prompt_tiers
 from dflash.errors import UserError
 from dflash.gpus import claim_gpu
 from dflash.model.engine import BatchedGreedy
@@ -153,16 +154,6 @@ def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
                 conv.answer(tokens, finished, gen.tokenizer)
                 n_tokens += len(tokens)
     return convs, n_tokens
-
-
-def prompt_tiers(max_prompt: int, smallest: int = 256) -> list[int]:
-    """Prompt-length limits of the static engine's caches: powers of two from `smallest`, then
-    `max_prompt` (a prompt is always shorter than that)."""
-    tiers = []
-    while smallest < max_prompt:
-        tiers.append(smallest)
-        smallest *= 2
-    return [*tiers, max_prompt]
 
 
 def regenerate_continuous(

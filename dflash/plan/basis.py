@@ -15,17 +15,6 @@ CLOSE = 0.05  # a workload figure within 5 % of the measurement's counts as the 
 # the most of a GPU a target's weights may take beside a training drafter: at 8B shapes the
 # colocated 0 + 1 peaked at 42.5 GB, 16.4 of them the target's (BENCHMARKS.md 2026-12-02 evening)
 TRAIN_TARGET_SHARE = 0.6
-SMALLEST_TIER = 256  # dflash.data.generation.prompt_tiers: a row's cache = tier + max_new_tokens
-
-
-def prompt_tiers(max_prompt: int, smallest: int = SMALLEST_TIER) -> list[int]:
-    """dflash.data.generation.prompt_tiers (which imports torch): powers of two from `smallest`,
-    then `max_prompt`."""
-    tiers = []
-    while smallest < max_prompt:
-        tiers.append(smallest)
-        smallest *= 2
-    return [*tiers, max_prompt]
 
 
 @dataclass

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
+from dflash.data.tiers import SMALLEST_TIER, prompt_tiers
 from dflash.errors import UserError
 from dflash.plan.basis import (
     MEMORY_USE,
-    SMALLEST_TIER,
     TRAIN_TARGET_SHARE,
     Figure,
     Plan,
@@ -23,7 +23,6 @@ from dflash.plan.basis import (
     close,
     kilo,
     pick,
-    prompt_tiers,
     rate_shape,
     same_setting,
 )
