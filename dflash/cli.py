@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from dflash.config import ConfigError, load_config, validate
+from dflash.custody import check_inputs
 from dflash.errors import UserError
 
 log = logging.getLogger("dflash")
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="how many shards split the rows, by a hash of each row's id (default: 1)",
     )
-    p.set_defaults(stage="dflash.data.regenerate:run")
+    p.set_defaults(stage="dflash.data.regenerate:run", reads=("target", "input"))
 
     p = _add(sub, "merge-shards", "merge regenerated shards back into input order")
     p.add_argument("--input", type=Path, required=True, help="the expanded split they came from")
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="every shard's regenerated parquet",
     )
     p.add_argument("--output", type=Path, required=True, help="merged parquet to write")
-    p.set_defaults(stage="dflash.data.regenerate:run_merge")
+    p.set_defaults(stage="dflash.data.regenerate:run_merge", reads=("input", "shard_files"))
 
     p = _add(sub, "tokenize", "render with the chat template and build loss masks")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (tokenizer)")
@@ -136,20 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="tokenized parquet to write (its report JSON goes beside it)",
     )
-    p.set_defaults(stage="dflash.data.tokenization:run")
+    p.set_defaults(stage="dflash.data.tokenization:run", reads=("target", "input"))
 
     p = _add(sub, "stats", "length statistics, bucket table and drift")
     p.add_argument("--input", type=Path, required=True, help="tokenized parquet")
     p.add_argument("--json", type=Path, required=True, help="stats.json to write")
     p.add_argument("--plot", type=Path, required=True, help="length histogram PNG to write")
     p.add_argument("--previous", type=Path, help="earlier stats.json to compare against")
-    p.set_defaults(stage="dflash.data.stats:run")
+    p.set_defaults(stage="dflash.data.stats:run", reads=("input",))
 
     p = _add(sub, "warmup", "compile the drafter step for every bucket shape on one thread")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (config only)")
     p.add_argument("--record", type=Path, required=True, help="warmup record JSON to write")
     p.add_argument("--cache-dir", help="compile cache (default: compile.cache_dir)")
-    p.set_defaults(stage="dflash.train.warmup:run")
+    p.set_defaults(stage="dflash.train.warmup:run", reads=("target",))
 
     p = _add(
         sub,
@@ -173,16 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="tokenized eval split: tau_sim is logged on its first train.tau_sim.rows rows",
     )
-    p.set_defaults(stage="dflash.train.loop:run")
+    p.set_defaults(stage="dflash.train.loop:run", reads=("target", "data", "held_out"))
 
     p = _add_decoding(sub, "eval", "speculative decoding of the drafter and baselines")
     p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
     p.add_argument("--output", type=Path, required=True, help="acceptance.json to write")
-    p.set_defaults(stage="dflash.eval.run:run")
+    p.set_defaults(
+        stage="dflash.eval.run:run", reads=("target", "drafter", "held_out", "tokenized")
+    )
 
     p = _add_decoding(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by budget")
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
-    p.set_defaults(stage="dflash.eval.run:run_ddtree")
+    p.set_defaults(stage="dflash.eval.run:run_ddtree", reads=("target", "drafter", "held_out"))
 
     p = _add(
         sub,
@@ -200,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=Path, required=True, help=what)
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
-    p.set_defaults(stage="dflash.eval.report:run")
+    p.set_defaults(
+        stage="dflash.eval.report:run",
+        reads=("stats", "metrics", "train_summary", "acceptance", "ddtree"),
+    )
 
     p = _add(sub, "record", "results/MANIFEST.json: every artefact's sha256 and the run record")
     p.add_argument("--results", type=Path, required=True, help="the results folder")
@@ -318,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "config"):
             args.config = load(args.config)
+        # before any work: what the stage reads is still what its producer wrote
+        reads = {name: getattr(args, name) for name in getattr(args, "reads", ())}
+        check_inputs(reads, getattr(args, "manifest", None))
         getattr(importlib.import_module(module_name), func_name)(args)
     except UserError as e:
         print(f"dflash {args.command}: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash.custody import Mismatch, producers
 from dflash.errors import UserError
 from dflash.io import read_json, sha256_file, sha256_json, sha256_tree, write_json
 from dflash.manifest import PACKAGE_ROOT, environment_record
@@ -53,6 +54,40 @@ VOLATILE = (
 
 # Working state under results/ that no rule declares as an output: never recorded or verified.
 UNDECLARED = ("logs", "checkpoints", "work", "compile-cache", "MANIFEST.json")
+
+
+# What every record holds and `verify` and `compare` read: anything without them is not a record.
+REQUIRED = ("format", "code", "environment", "config", "artefacts")
+
+
+def read_record(path: Path, command: str) -> dict:
+    """A MANIFEST.json, or UserError naming it: cut short, emptied, or missing keys."""
+    again = "`snakemake --cores all all` writes it again from the results."
+    try:
+        record = read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"{command}: {path} is not a run record: it is not valid JSON ({e}); it was cut short"
+            f" or edited. {again}"
+        ) from None
+    if not isinstance(record, dict):
+        raise UserError(f"{command}: {path} is not a run record: it holds no JSON object. {again}")
+    missing = [key for key in REQUIRED if key not in record]
+    if missing:
+        raise UserError(
+            f"{command}: {path} is not a run record: it lacks the key(s) {', '.join(missing)}."
+            f" {again}"
+        )
+    inputs = record.get("inputs") or {}
+    if not isinstance(record["artefacts"], dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("sha256"), dict) and "path" in e
+        for e in (inputs.values() if isinstance(inputs, dict) else [None])
+    ):
+        raise UserError(
+            f"{command}: {path} is not a run record: 'artefacts' must map files to sha256 and"
+            f" each of 'inputs' hold a path and its files' sha256. {again}"
+        )
+    return record
 
 
 def git_state(repo: Path) -> dict | None:
@@ -245,6 +280,25 @@ def stage_records(
     return stages
 
 
+def disagreements(results: Path, record: dict, inputs: dict[str, Path]) -> list[Mismatch]:
+    """Files whose hash in the record differs from the one their stage recorded (read from
+    the stage manifests the record holds and each input folder's manifest.json)."""
+    hashes = {(results / rel).resolve(): d for rel, d in record["artefacts"].items()}
+    manifests = [results / rel for rel in record["artefacts"] if rel.startswith("manifests/")]
+    for name, folder in inputs.items():
+        files = record["inputs"][name]["sha256"].items()
+        hashes |= {(folder / rel).resolve(): d for rel, d in files}
+        manifests.append(folder / "manifest.json")
+    recorded, unreadable = producers(manifests)
+    if unreadable:
+        raise UserError(f"record: {', '.join(map(str, unreadable))}: not a readable stage manifest")
+    return [
+        Mismatch(path, digest, hashes[path], manifest)
+        for path, (digest, manifest) in sorted(recorded.items())
+        if path in hashes and hashes[path] != digest
+    ]
+
+
 def build_record(
     results: Path,
     config: dict,
@@ -269,6 +323,12 @@ def build_record(
     # what the run read, made once under resources/ for every run that names it
     record["inputs"] = {name: input_record(results, f) for name, f in sorted(inputs.items())}
     record["artefacts"] = artefact_hashes(results, outputs)
+    if bad := disagreements(results, record, inputs):
+        raise UserError(
+            "record: refusing to record files that differ from what the stage that wrote them"
+            " recorded: " + "; ".join(map(str, bad)) + ". They changed after their stage ran:"
+            " rerun the workflow (Snakemake rebuilds a damaged output) or restore them."
+        )
     record["stages"] = stage_records(results, record["artefacts"], inputs)
     return record
 

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from dflash.errors import UserError
-from dflash.io import SNAKEMAKE_MARKER, read_json, sha256_file
-from dflash.record import UNDECLARED
+from dflash.io import SNAKEMAKE_MARKER, sha256_file
+from dflash.record import UNDECLARED, read_record
 
 
 def manifest_path(run: str | Path) -> Path:
@@ -29,10 +29,9 @@ def unrecorded(folder: Path, recorded: dict, skip=()) -> list[str]:
     ]
 
 
-def check(manifest: Path) -> dict[str, list[str]]:
+def check(manifest: Path, record: dict) -> dict[str, list[str]]:
     """Paths relative to the results folder that are missing, changed, or present but not
     recorded: the artefacts under it, and each input's files (a path into resources/)."""
-    record = read_json(manifest)
     results = manifest.parent
     trees = [("", results, record["artefacts"], UNDECLARED)]
     for entry in (record.get("inputs") or {}).values():
@@ -59,8 +58,9 @@ def run(args) -> None:
     manifest = manifest_path(args.run)
     if not manifest.is_file():
         raise UserError(f"verify: {manifest} not found (run `snakemake --cores all all` first)")
-    found = check(manifest)
-    n = recorded_count(read_json(manifest))
+    record = read_record(manifest, "verify")
+    found = check(manifest, record)
+    n = recorded_count(record)
     for kind, paths in found.items():
         for rel in paths:
             print(f"{kind:8} {os.path.normpath(manifest.parent / rel)}")

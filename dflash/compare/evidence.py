@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash.custody import read_stage_manifest
 from dflash.errors import UserError
-from dflash.io import read_json
-from dflash.record import result_summaries, topology_summary
+from dflash.record import read_record, result_summaries, topology_summary
 from dflash.verify import manifest_path
 
 # Below this relative change a throughput or τ difference is reported but not explained.
@@ -19,10 +19,7 @@ NOISE = {"throughput": 0.05, "tau": 0.01}
 def load_run(run: str | Path) -> dict:
     path = manifest_path(run)
     if path.is_file():
-        try:
-            record = read_json(path)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"compare: {path} is not a run record: {e}") from None
+        record = read_record(path, "compare")
         record["_name"] = str(path)
         return record
     folder = Path(run)
@@ -33,7 +30,8 @@ def load_run(run: str | Path) -> dict:
 
 def record_from_stages(results: Path) -> dict:
     """A partial record from a results folder that has no MANIFEST.json yet."""
-    stages = {p.stem: read_json(p) for p in sorted((results / "manifests").glob("*.json"))}
+    manifests = sorted((results / "manifests").glob("*.json"))
+    stages = {p.stem: read_stage_manifest(p) for p in manifests}
     files, config, env = {}, {}, {}
     for m in stages.values():
         files.update(m.get("code_files") or {})

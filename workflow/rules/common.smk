@@ -6,11 +6,15 @@ import re
 import shlex
 import shutil
 import sys
+from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
+from snakemake.logging import logger
 
 from dflash.config import validate as dflash_validate
+from dflash.custody import damaged, quarantine
+from dflash.custody import rel as custody_rel
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_file, sha256_json
 from dflash.manifest import code_hash, environment_hash
@@ -225,3 +229,38 @@ def declared_outputs(folders=True):
                     expand(str(pattern), split=["train", "eval"], shard=range(SHARDS))
                 )
     return sorted(paths)
+
+
+# custody, called by the Snakefile once every rule is defined
+
+
+def custody_outputs():
+    """Every output that a stage manifest records: the recorded rules' and the target
+    rule's conversion under resources/."""
+    outputs = declared_outputs()
+    if not config["target"]["path"]:
+        outputs += [str(f) for f in workflow.get_rule("target").output]
+    return outputs
+
+
+def check_custody():
+    """Move aside every declared output that differs from what its rule recorded (a flipped
+    bit, a truncated copy, an edit), so that Snakemake sees it missing and runs its rule
+    again before anything reads it; the damaged copy goes to results/work/damaged/. Snakemake
+    itself never looks at an output again once its job has ended (dflash.custody).
+
+    Only in the Snakemake process that plans (a cluster job parses the Snakefile again), and
+    not while another run holds the lock: its jobs write outputs before their manifests.
+    """
+    locks = os.path.join(".snakemake", "locks")
+    if not workflow.is_main_process or (os.path.isdir(locks) and os.listdir(locks)):
+        return
+    manifests = sorted(Path(R, "manifests").glob("*.json"))
+    if not config["target"]["path"]:
+        manifests.append(Path(TARGET_DIR, "manifest.json"))
+    for path, reasons in damaged(manifests, custody_outputs(), Path(R)).items():
+        moved = quarantine(path, Path(R))
+        logger.warning(
+            f"dflash: {custody_rel(path)} is not what its producer wrote, so Snakemake makes it"
+            f" again (the damaged copy is now {custody_rel(moved)}): {'; '.join(reasons)}"
+        )

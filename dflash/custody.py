@@ -1,0 +1,230 @@
+"""Chain of custody: an artefact is read only while it holds the bytes its producer wrote.
+
+Every stage records the sha256 of its outputs in its manifest (dflash.manifest), and Snakemake
+never looks at an output again once its job has ended. So three places compare a file with the
+record of the stage that wrote it:
+- planning (the Snakefile, `damaged`): a declared output that differs is moved aside, so
+  Snakemake sees it missing and reruns its rule, and everything after it reads the new one;
+- every stage, before any work (`check_inputs`, called by the CLI on the inputs a stage
+  declares): a file changed after planning or given by hand stops the stage, naming it;
+- `record`: the run record must agree with every stage's own (dflash.record).
+
+Cost: files under the results folder (parquet, drafter, JSON) are hashed in full at every check:
+each is read by a few jobs that take far longer than hashing it (~1 GB/s), and a flipped bit
+leaves size and mtime as they were only if the change came from below the filesystem, which is
+exactly what must not be missed. A file outside it (the converted target under resources/:
+16 GB at 8B, read by every job of every run) is hashed in full once, then trusted while its
+size, mtime, ctime and inode are unchanged (ctime cannot be set back by hand, so a rewrite,
+truncation, `touch -r` or replacement is hashed again); `dflash verify` re-hashes it in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import UserError
+from dflash.io import read_json, sha256_file, write_json
+
+# Where the stat-keyed hashes of files outside the results folder are kept (an undeclared
+# folder: dflash.record.UNDECLARED), and where damaged outputs are moved.
+CACHE = "work/custody-sha256.json"
+QUARANTINE = "work/damaged"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    path: Path  # absolute
+    recorded: str
+    actual: str | None  # None: missing
+    manifest: Path
+
+    def __str__(self) -> str:
+        now = f"now {self.actual}" if self.actual else "it is missing now"
+        return f"{rel(self.path)} (recorded sha256 {self.recorded} in {rel(self.manifest)}, {now})"
+
+
+def rel(path: Path) -> str:
+    """A path as the user typed it: relative to the working directory when under it."""
+    with contextlib.suppress(ValueError):
+        return Path(path).relative_to(Path.cwd()).as_posix()
+    return str(path)
+
+
+def read_stage_manifest(path: Path) -> dict:
+    """A stage manifest, or UserError naming it if it is not one (cut short, edited)."""
+    try:
+        manifest = read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a stage manifest: it is not valid JSON ({e})") from None
+    keys = ("stage", "outputs", "output_sha256")
+    if not isinstance(manifest, dict) or any(not manifest.get(k) for k in keys):
+        raise UserError(f"{path} is not a stage manifest: it lacks one of {', '.join(keys)}")
+    outputs, hashes = manifest["outputs"], manifest["output_sha256"]
+    if not (
+        isinstance(outputs, dict)
+        and isinstance(hashes, dict)
+        and all(isinstance(outputs.get(k), str) and isinstance(v, dict) for k, v in hashes.items())
+    ):
+        raise UserError(f"{path} is not a stage manifest: its outputs and their sha256 disagree")
+    return manifest
+
+
+def recorded_files(path: Path, manifest: dict) -> dict[Path, str]:
+    """Absolute path -> sha256 of every file the stage wrote. Outputs are recorded as given on
+    the command line (relative to the working directory), each as a tree keyed by the path
+    relative to the output, or by its name for a single file."""
+    files = {}
+    for name, out in manifest["outputs"].items():
+        base = Path(out).resolve()
+        tree = manifest["output_sha256"].get(name, {})
+        single = set(tree) == {base.name} and not base.is_dir()
+        for key, digest in tree.items():
+            files[base if single else base / key] = digest
+    return files
+
+
+class Hasher:
+    """sha256 of a file (None if missing); see the module doc for which ones are cached."""
+
+    def __init__(self, results: Path | None):
+        self.results = results.resolve() if results else None
+        self.cache_file = self.results / CACHE if self.results else None
+        self.cache = {}
+        if self.cache_file and self.cache_file.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                self.cache = read_json(self.cache_file)
+        if not isinstance(self.cache, dict):
+            self.cache = {}
+        self.changed = False
+
+    def __call__(self, path: Path) -> str | None:
+        if not path.is_file():
+            return None
+        if self.results is None or path.is_relative_to(self.results):
+            return sha256_file(path)
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = self.cache.get(str(path))
+        if isinstance(hit, list) and hit[:4] == stamp:
+            return hit[4]
+        digest = sha256_file(path)
+        self.cache[str(path)] = [*stamp, digest]
+        self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.changed:  # best effort: a lost entry costs one more hash, never a wrong one
+            with contextlib.suppress(OSError):
+                write_json(self.cache_file, self.cache)
+
+
+def compare(recorded: Mapping[Path, tuple[str, Path]], hasher: Hasher) -> list[Mismatch]:
+    """Hash the files (in parallel threads: hashlib releases the GIL) against their record."""
+    paths = sorted(recorded)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        actual = list(pool.map(hasher, paths))
+    hasher.save()
+    return [
+        Mismatch(p, recorded[p][0], a, recorded[p][1])
+        for p, a in zip(paths, actual, strict=True)
+        if a != recorded[p][0]
+    ]
+
+
+def producers(manifests: Iterable[Path]) -> tuple[dict[Path, tuple[str, Path]], list[Path]]:
+    """File -> (sha256, manifest) over the stage manifests that exist, and those that cannot
+    be read."""
+    found, unreadable = {}, []
+    for path in map(Path, manifests):
+        if not path.is_file():
+            continue
+        try:
+            files = recorded_files(path, read_stage_manifest(path))
+        except UserError:
+            unreadable.append(path.resolve())
+            continue
+        found |= {f: (digest, path.resolve()) for f, digest in files.items()}
+    return found, unreadable
+
+
+def _paths(value) -> list[Path]:
+    if value is None:
+        return []
+    return [Path(v) for v in value] if isinstance(value, list | tuple) else [Path(value)]
+
+
+def results_folder(paths: Iterable[Path]) -> Path | None:
+    """The nearest folder above one of the paths that holds a manifests/ folder."""
+    for path in paths:
+        for folder in path.parents:
+            if (folder / "manifests").is_dir():
+                return folder
+    return None
+
+
+def check_inputs(inputs: Mapping[str, object], manifest: Path | None = None) -> None:
+    """Refuse (UserError) if a file the stage is about to read differs from its producer's
+    record. The producers' manifests are those of the results folder the inputs are in (its
+    manifests/) and a `manifest.json` beside an input (the converted target's folder). A file
+    no stage recorded (a user's own data or target) is not checked, nor one whose producer's
+    manifest cannot be read (planning reruns that producer). `manifest` is the stage's own:
+    its results folder keeps the hashes of big files outside it."""
+    reads = [p.resolve() for value in inputs.values() for p in _paths(value)]
+    own = [Path(manifest).resolve()] if manifest is not None else []
+    results = results_folder(own + reads)
+    candidates = {p.parent / "manifest.json" for p in reads}
+    if results is not None:
+        candidates |= set((results / "manifests").glob("*.json"))
+    found, _ = producers(sorted(candidates))
+    recorded = {
+        f: rec for f, rec in found.items() if any(f == p or f.is_relative_to(p) for p in reads)
+    }
+    bad = compare(recorded, Hasher(results))
+    if bad:
+        raise UserError(
+            "an input is not what its producer wrote: "
+            + "; ".join(map(str, bad))
+            + ". Nothing was run. Rerun the workflow (Snakemake rebuilds a damaged output"
+            " before anything reads it) or restore the file."
+        )
+
+
+def damaged(
+    manifests: Iterable[Path], declared: Iterable[str | os.PathLike], results: Path
+) -> dict[Path, list[str]]:
+    """Declared output (a file, or a directory output) -> why it differs from its stage's
+    record. Only declared outputs count: a manifest left by another config may name files no
+    rule of this one makes. A stage manifest that cannot be read is damaged itself."""
+    declared = {Path(d).resolve() for d in declared}
+    recorded, unreadable = producers(manifests)
+    found = {p: [f"{rel(p)} is not a readable stage manifest"] for p in unreadable if p in declared}
+    for mismatch in compare(recorded, Hasher(results)):
+        if mismatch.actual is None:
+            continue  # a missing output: Snakemake reruns its rule by itself
+        owner = next((p for p in (mismatch.path, *mismatch.path.parents) if p in declared), None)
+        if owner is not None:
+            found.setdefault(owner, []).append(str(mismatch))
+    return found
+
+
+def quarantine(path: Path, results: Path) -> Path:
+    """Move a damaged output out of the way (kept for a look, never deleted): under the
+    results folder into work/damaged/ (undeclared, so `verify` ignores it), elsewhere to a
+    hidden sibling."""
+    results = results.resolve()
+    if path.is_relative_to(results):
+        dest = results / QUARANTINE / path.relative_to(results)
+    else:
+        dest = path.with_name(f".{path.name}.damaged")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_dir():
+        shutil.rmtree(dest)
+    os.replace(path, dest)
+    return dest
