@@ -328,11 +328,12 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
         os.utime(path, ns=(now + i * 10**7, now + i * 10**7))
     assert planned(flow) == set(), flow.run("-n", "all", "--quiet", "rules").stdout[-3000:]
 
-    # an edit to an artefact's content reruns what reads it; the same bytes again, nothing
+    # an edit to an artefact's content reruns the rule that wrote it (the planning moves the
+    # edited file aside: dflash.custody) and what reads it; the same bytes again, nothing
     weights = flow.results / "drafter/model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original + b" ")
-    assert planned(flow) == {"eval_acceptance", "eval_ddtree", "report", "record"}
+    assert planned(flow) == {"train"} | {"eval_acceptance", "eval_ddtree", "report", "record"}
     weights.write_bytes(original)
     assert planned(flow) == set()
 
