@@ -215,16 +215,18 @@ def damaged(
 
 
 def quarantine(path: Path, results: Path) -> Path:
-    """Move a damaged output out of the way (kept for a look, never deleted): under the
-    results folder into work/damaged/ (undeclared, so `verify` ignores it), elsewhere to a
-    hidden sibling."""
+    """Move a damaged output into results/work/damaged/ (undeclared, so `verify` ignores it;
+    kept for a look, never deleted), at its path under the results folder, else at its path
+    as `rel` shows it (the target's folder under resources/, whose every file the run record
+    hashes, must not keep it)."""
     results = results.resolve()
     if path.is_relative_to(results):
-        dest = results / QUARANTINE / path.relative_to(results)
+        where = path.relative_to(results)
     else:
-        dest = path.with_name(f".{path.name}.damaged")
+        where = Path(rel(path).lstrip("/"))
+    dest = results / QUARANTINE / where
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_dir():
         shutil.rmtree(dest)
-    os.replace(path, dest)
+    shutil.move(path, dest)  # a rename, or a copy where resources/ is another filesystem
     return dest

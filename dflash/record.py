@@ -292,10 +292,12 @@ def disagreements(results: Path, record: dict, inputs: dict[str, Path]) -> list[
     recorded, unreadable = producers(manifests)
     if unreadable:
         raise UserError(f"record: {', '.join(map(str, unreadable))}: not a readable stage manifest")
+    # a recorded file the record did not hash: gone (moved aside as damaged, deleted), unless
+    # it lies outside what the record covers
     return [
-        Mismatch(path, digest, hashes[path], manifest)
+        Mismatch(path, digest, hashes.get(path), manifest)
         for path, (digest, manifest) in sorted(recorded.items())
-        if path in hashes and hashes[path] != digest
+        if hashes.get(path) != digest and (path in hashes or not path.exists())
     ]
 
 
@@ -327,7 +329,8 @@ def build_record(
         raise UserError(
             "record: refusing to record files that differ from what the stage that wrote them"
             " recorded: " + "; ".join(map(str, bad)) + ". They changed after their stage ran:"
-            " rerun the workflow (Snakemake rebuilds a damaged output) or restore them."
+            " rerun the workflow (Snakemake rebuilds a damaged output) or restore them; a missing"
+            " file that no rule reads is made again by `snakemake --forcerun RULE all`."
         )
     record["stages"] = stage_records(results, record["artefacts"], inputs)
     return record
