@@ -261,6 +261,7 @@ def check_custody():
     for path, reasons in damaged(manifests, custody_outputs(), Path(R)).items():
         moved = quarantine(path, Path(R))
         logger.warning(
-            f"dflash: {custody_rel(path)} is not what its producer wrote, so Snakemake makes it"
-            f" again (the damaged copy is now {custody_rel(moved)}): {'; '.join(reasons)}"
+            f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
+            f" {custody_rel(moved)}, it is made again before anything reads it:"
+            f" {'; '.join(reasons)}"
         )
