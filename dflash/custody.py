@@ -214,19 +214,29 @@ def damaged(
     return found
 
 
-def quarantine(path: Path, results: Path) -> Path:
-    """Move a damaged output into results/work/damaged/ (undeclared, so `verify` ignores it;
-    kept for a look, never deleted), at its path under the results folder, else at its path
-    as `rel` shows it (the target's folder under resources/, whose every file the run record
-    hashes, must not keep it)."""
+def quarantined(path: Path, results: Path) -> Path:
+    """Where `quarantine` keeps a damaged output: results/work/damaged/ (undeclared, so
+    `verify` ignores it), at its path under the results folder, else at its path as `rel`
+    shows it (the target's folder under resources/, whose every file the run record hashes,
+    must not keep it)."""
     results = results.resolve()
-    if path.is_relative_to(results):
-        where = path.relative_to(results)
-    else:
-        where = Path(rel(path).lstrip("/"))
-    dest = results / QUARANTINE / where
+    path = path.resolve()
+    where = path.relative_to(results) if path.is_relative_to(results) else rel(path).lstrip("/")
+    return results / QUARANTINE / where
+
+
+def quarantine(path: Path, results: Path) -> Path:
+    """Move a damaged output aside (kept for a look, never deleted); return where to."""
+    dest = quarantined(path, results)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_dir():
         shutil.rmtree(dest)
     shutil.move(path, dest)  # a rename, or a copy where resources/ is another filesystem
     return dest
+
+
+def pending(declared: Iterable[str], results: Path) -> list[str]:
+    """Declared outputs moved aside and not made again yet. The workflow's target rules ask for
+    them: Snakemake makes a missing file only when something that must run needs it, and the
+    rules after a damaged output are up to date."""
+    return [d for d in declared if not os.path.exists(d) and quarantined(Path(d), results).exists()]

@@ -13,7 +13,7 @@ from snakemake.io import is_flagged
 from snakemake.logging import logger
 
 from dflash.config import validate as dflash_validate
-from dflash.custody import damaged, quarantine
+from dflash.custody import damaged, pending, quarantine
 from dflash.custody import rel as custody_rel
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_file, sha256_json
@@ -245,23 +245,25 @@ def custody_outputs():
 
 def check_custody():
     """Move aside every declared output that differs from what its rule recorded (a flipped
-    bit, a truncated copy, an edit), so that Snakemake sees it missing and runs its rule
-    again before anything reads it; the damaged copy goes to results/work/damaged/. Snakemake
-    itself never looks at an output again once its job has ended (dflash.custody).
+    bit, a truncated copy, an edit) into results/work/damaged/, and return those not made
+    again yet: the target rules ask for them, so that Snakemake runs their rules (and what
+    follows) before anything reads them. Snakemake itself never looks at an output again once
+    its job has ended (dflash.custody).
 
     Only in the Snakemake process that plans (a cluster job parses the Snakefile again), and
     not while another run holds the lock: its jobs write outputs before their manifests.
     """
+    outputs = custody_outputs()
     locks = os.path.join(".snakemake", "locks")
-    if not workflow.is_main_process or (os.path.isdir(locks) and os.listdir(locks)):
-        return
-    manifests = sorted(Path(R, "manifests").glob("*.json"))
-    if not config["target"]["path"]:
-        manifests.append(Path(TARGET_DIR, "manifest.json"))
-    for path, reasons in damaged(manifests, custody_outputs(), Path(R)).items():
-        moved = quarantine(path, Path(R))
-        logger.warning(
-            f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
-            f" {custody_rel(moved)}, it is made again before anything reads it:"
-            f" {'; '.join(reasons)}"
-        )
+    if workflow.is_main_process and not (os.path.isdir(locks) and os.listdir(locks)):
+        manifests = sorted(Path(R, "manifests").glob("*.json"))
+        if not config["target"]["path"]:
+            manifests.append(Path(TARGET_DIR, "manifest.json"))
+        for path, reasons in damaged(manifests, outputs, Path(R)).items():
+            moved = quarantine(path, Path(R))
+            logger.warning(
+                f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
+                f" {custody_rel(moved)}, it is made again before anything reads it:"
+                f" {'; '.join(reasons)}"
+            )
+    return pending(outputs, Path(R))
