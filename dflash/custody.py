@@ -3,16 +3,16 @@
 Every stage records the sha256 of its outputs in its manifest (dflash.manifest), and Snakemake
 never looks at an output again once its job has ended. So three places compare a file with the
 record of the stage that wrote it:
-- planning (the Snakefile, `damaged`): a declared output that differs is moved aside, so
-  Snakemake sees it missing and reruns its rule, and everything after it reads the new one;
+- planning (the Snakefile, `damaged`): a declared output that differs is moved aside and
+  every target rule asks for it (`pending`), so Snakemake reruns its rule and what follows;
 - every stage, before any work (`check_inputs`, called by the CLI on the inputs a stage
   declares): a file changed after planning or given by hand stops the stage, naming it;
 - `record`: the run record must agree with every stage's own (dflash.record).
 
-Cost: files under the results folder (parquet, drafter, JSON) are hashed in full at every check:
-each is read by a few jobs that take far longer than hashing it (~1 GB/s), and a flipped bit
-leaves size and mtime as they were only if the change came from below the filesystem, which is
-exactly what must not be missed. A file outside it (the converted target under resources/:
+Cost: files under the results folder (parquet, drafter, JSON) are hashed in full at every check
+(planning hashes them in parallel threads): each is read by a few jobs that take far longer than
+hashing it (~1 GB/s a core), and a change that keeps size and mtime (a bit flipped below the
+filesystem, a copy with `cp -p`) is exactly what must not be missed there. A file outside it (the converted target under resources/:
 16 GB at 8B, read by every job of every run) is hashed in full once, then trusted while its
 size, mtime, ctime and inode are unchanged (ctime cannot be set back by hand, so a rewrite,
 truncation, `touch -r` or replacement is hashed again); `dflash verify` re-hashes it in full.
