@@ -58,11 +58,14 @@ def flip_a_bit_that_still_parses(path: Path) -> bytes:
     raise AssertionError(f"no single-bit flip of {path} still parses")
 
 
+TOKENIZED = ("data/tokenized/train.parquet", "data/tokenized/train.report.json")
+
+
 @pytest.fixture
 def tokenized(tiny_workflow, tmp_path, monkeypatch) -> Path:
-    """A copy of the tiny run's tokenized training split and of its stage manifest, at the
-    paths the manifest names (relative to the working directory, here tmp_path)."""
-    for rel in ("data/tokenized/train.parquet", "manifests/tokenize_train.json"):
+    """A copy of the tiny run's tokenized training split, its report and their stage manifest,
+    at the paths the manifest names (relative to the working directory, here tmp_path)."""
+    for rel in (*TOKENIZED, "manifests/tokenize_train.json"):
         (tmp_path / "results" / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(tiny_workflow.results / rel, tmp_path / "results" / rel)
     monkeypatch.chdir(tmp_path)
@@ -91,8 +94,8 @@ def test_record_refuses_to_bless_a_file_its_stage_did_not_write(tokenized, capsy
     recorded = sha256_file(tokenized)
     original = flip_a_bit_that_still_parses(tokenized)
     record = ["record", "--config", "{}", "--results", "results"]
-    record += ["--output", "results/MANIFEST.json", "results/data/tokenized/train.parquet"]
-    record += ["results/manifests/tokenize_train.json"]
+    record += ["--output", "results/MANIFEST.json", "results/manifests/tokenize_train.json"]
+    record += [f"results/{rel}" for rel in TOKENIZED]
     assert main(record) == 1
     err = capsys.readouterr().err
     assert "refusing to record" in err and "results/data/tokenized/train.parquet" in err
