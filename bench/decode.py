@@ -49,9 +49,10 @@ def real_setup(args, device):
     from dflash.config import load_config
 
     config = load_config(args.config)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = load_drafter(args.drafter, dtype=torch.float32, device=device).eval()
+    drafter = load_drafter(args.drafter, dtype=dtype, device=device).eval()
     prompts = eval_prompts(config, args.held_out)
     # Spread the prompts over the sets (held-out first, then MT-Bench, ...).
     by_set: dict[str, list] = {}
@@ -68,11 +69,13 @@ def random_setup(args, device):
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.target_config)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        drafter = Drafter(DrafterConfig.for_target(config, args.drafter_layers, 16, 3)).eval()
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        drafter = Drafter(DrafterConfig.for_target(config, args.drafter_layers, 16, 3))
+        drafter = drafter.to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     encoded = [
-        torch.randint(4, config.vocab_size, (64,), generator=g).tolist()
+        torch.randint(4, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
         for _ in range(args.prompts)
     ]
     return model, drafter, encoded, set()  # no stop token: every prompt decodes max_new_tokens
@@ -93,6 +96,11 @@ def main() -> None:
     parser.add_argument("--sessions", default="hf,static")
     parser.add_argument("--methods", default="target,lookup,drafter")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16 for the speed of real shapes (fp32: the outputs to compare)",
+    )  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, drafter, encoded, stop = (random_setup if args.target_config else real_setup)(
