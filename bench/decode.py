@@ -3,7 +3,7 @@ the same prompts, with τ and the lossless check.
 
 Sessions: `hf` (transformers' DynamicCache, eager: how the eval decoded before static caches) and
 `static` (preallocated caches, fixed-shape steps replayed as CUDA graphs on GPU: how it decodes
-now). Methods: `target` (no drafts), `lookup` (prompt lookup) and `drafter`. Every method's output
+now). Methods: `target` (no drafts), `lookup` (prompt lookup), `drafter` and `tree-N` (DDTree of N nodes). Every method's output
 must equal the same session's target-only output, and both sessions' target-only outputs must
 agree. tokens/s counts the tokens after the prompt's forward over the time after it, as the
 eval and the public DFlash benchmark do; the first prompt of each pair is decoded once untimed
@@ -34,6 +34,7 @@ from dflash.eval.decode import (  # noqa: E402
     Proposer,
     StaticSession,
     generate,
+    generate_tree,
 )
 from dflash.eval.metrics import acceptance  # noqa: E402
 from dflash.eval.setup import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
@@ -81,6 +82,16 @@ def random_setup(args, device):
     return model, drafter, encoded, set()  # no stop token: every prompt decodes max_new_tokens
 
 
+def decoder(method: str, proposers: dict):
+    """`generate` with the method's proposer, or DDTree's `generate_tree` for `tree-BUDGET`."""
+    if method.startswith("tree-"):
+        budget = int(method.removeprefix("tree-"))
+        drafter = proposers["drafter"]
+        return lambda session, ids, n, stop: generate_tree(session, drafter, ids, n, stop, budget)
+    proposer = proposers[method]
+    return lambda session, ids, n, stop: generate(session, proposer, ids, n, stop)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,10 +130,10 @@ def main() -> None:
             continue
         session = SESSIONS[name](model, drafter.config.target_layer_ids)
         for method in args.methods.split(","):
-            proposer = proposers[method]
-            generate(session, proposer, encoded[0], args.max_new_tokens, stop)  # untimed
+            decode = decoder(method, proposers)
+            decode(session, encoded[0], args.max_new_tokens, stop)  # untimed
             started = time.perf_counter()
-            gens = [generate(session, proposer, ids, args.max_new_tokens, stop) for ids in encoded]
+            gens = [decode(session, ids, args.max_new_tokens, stop) for ids in encoded]
             wall = time.perf_counter() - started
             outputs[name, method] = [g.tokens for g in gens]
             decoded = sum(sum(g.accepted) for g in gens)

@@ -19,6 +19,7 @@ end of the cache, as in a refilled batch mid-run.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import sys
@@ -128,14 +129,16 @@ def main():
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         if args.no_prefill:
-            del engine
+            del engine, step  # the step's defaults hold the engine: both, or its caches stay
+            gc.collect()
             torch.cuda.empty_cache()
             continue
         rows = list(range(engine.prefill_rows))
         prompts = [list(range(n))] * len(rows)
         engine.prefill(rows, prompts)
         prefill = timed(lambda e=engine, r=rows, p=prompts: e.prefill(r, p), 20) / len(rows)
-        del engine
+        del engine, step
+        gc.collect()
         torch.cuda.empty_cache()
         # before: one prompt per call, padded to a multiple of 64
         alone = BatchedGreedy(model, batch, capacity, prompt_width=-(-n // 64) * 64)
