@@ -40,7 +40,8 @@ rule train:
     params:
         config=config_json(*TRAINING_CONFIG),
         # torchrun on one node; srun starting one torchrun per node on `train.nnodes`, each
-        # with the node's cores (the same string on one node: no rerun for a thread count)
+        # with the node's cores. Computed from threads, so no rerun trigger of its own
+        # (train.nnodes and the topology reach the rule through `config`)
         launch=lambda wildcards, threads: shlex.join(
             launch.command(config["train"], WORLD, python="python", cpus=threads)
         ),
