@@ -150,14 +150,12 @@ class TargetFeatures(nn.Module):
         return torch.cat(out, dim=-1)
 
 
-def load_target(path: str | Path, dtype=torch.float32, device="cpu", trust_remote_code=False):
+def load_target(path: str | Path, dtype=torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
 
     require_target_fits(path, dtype, device, "loading the target")
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    # transformers' own architectures only: no model code from the target's folder is run
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval().requires_grad_(False)
 
 
