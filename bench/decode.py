@@ -3,7 +3,8 @@ the same prompts, with τ and the lossless check.
 
 Sessions: `hf` (transformers' DynamicCache, eager: how the eval decoded before static caches) and
 `static` (preallocated caches, fixed-shape steps replayed as CUDA graphs on GPU: how it decodes
-now). Methods: `target` (no drafts), `lookup` (prompt lookup), `drafter` and `tree-N` (DDTree of N nodes). Every method's output
+now). Methods: `target` (no drafts), `lookup` (prompt lookup), `drafter`, `chain` (the drafter's chain
+verified as a tree, as the DDTree stage does) and `tree-N` (DDTree of N nodes). Every method's output
 must equal the same session's target-only output, and both sessions' target-only outputs must
 agree. tokens/s counts the tokens after the prompt's forward over the time after it, as the
 eval and the public DFlash benchmark do; the first prompt of each pair is decoded once untimed
@@ -84,6 +85,9 @@ def random_setup(args, device):
 
 def decoder(method: str, proposers: dict):
     """`generate` with the method's proposer, or DDTree's `generate_tree` for `tree-BUDGET`."""
+    if method == "chain":  # the drafter's chain verified as a tree, as the DDTree stage does
+        drafter = proposers["drafter"]
+        return lambda session, ids, n, stop: generate_tree(session, drafter, ids, n, stop, None)
     if method.startswith("tree-"):
         budget = int(method.removeprefix("tree-"))
         drafter = proposers["drafter"]
