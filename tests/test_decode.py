@@ -15,8 +15,9 @@ from dflash.eval.decode import (
     generate_tree,
 )
 from dflash.eval.run import LookupProposer
-from dflash.model.drafter import Drafter, DrafterConfig
-from dflash.model.engine import BatchedGreedy, StaticTarget, StepPieces
+from dflash.model.drafter import Drafter, DrafterConfig, layer_projections, layer_rest
+from dflash.model.engine import BatchedGreedy, StaticTarget
+from dflash.model.fused import StepPieces, fused
 from dflash.model.objective import full_attend
 
 VOCAB, BLOCK = 64, 4
@@ -230,14 +231,18 @@ def test_max_new_tokens_caps_the_last_round(target, drafter):
     assert out.tokens == reference.tokens[:7] and out.accepted == [BLOCK, 2]
 
 
-def test_static_drafter_session_equals_recomputing_the_whole_context(target, drafter):
+@pytest.mark.parametrize("fused_layers", [False, True], ids=["eager", "fused"])
+def test_static_drafter_session_equals_recomputing_the_whole_context(target, drafter, fused_layers):
     """Drafting after context fed in rounds (cached, padded to B) == drafting after it all at
-    once through the training-time forward."""
+    once through the training-time forward; with the rounds' layers fused (compiled) as on
+    GPUs, too."""
     torch.manual_seed(2)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     feats = torch.randn(11, width)
     embed, head = target.get_input_embeddings(), target.lm_head.weight
     pieces = DrafterSession(drafter, embed, head)
+    cpu = torch.device("cpu")
+    pieces.pieces = tuple(fused(f, cpu, fused_layers) for f in (layer_projections, layer_rest))
     pieces.reset(64)
     for chunk in (feats[:6], feats[6:9]):
         pieces.draft_logits(5, chunk)

@@ -23,54 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.decoder import causal_layer, head_dim, mlp, qkv, supports_static
+from dflash.model.decoder import causal_layer, head_dim, supports_static
+from dflash.model.fused import StepPieces
 
 log = logging.getLogger(__name__)
-
-
-def step_projections(layer, x, cos, sin, head_dim: int):
-    """A decode step's layer, before attention: the normed input's rotated queries, keys and
-    values."""
-    return qkv(layer.self_attn, layer.input_layernorm(x), cos, sin, head_dim)
-
-
-def step_mlp(layer, x, attended):
-    """A decode step's layer, after attention: the output projection, the residuals, the MLP."""
-    x = x + layer.self_attn.o_proj(attended)
-    return x + mlp(layer, layer.post_attention_layernorm(x))
-
-
-class StepPieces:
-    """The two halves of a decode step's layer around its attention, compiled on CUDA.
-
-    Eagerly, a Qwen3-8B decode step is ~2,000 small kernels (each RMSNorm alone is seven, RoPE
-    five a tensor), and even replayed as a CUDA graph their launch gaps cost more than reading
-    the weights: 10 ms a token at batch 1 against 3.4 ms of bandwidth. Compiled, each half fuses
-    its pointwise work around the matrix products. The cache writes and the attention stay
-    outside, so the compiled graphs never mutate the caches (no copy of them can sneak in), and
-    one graph per half serves every layer (`torch.compile` treats the weights as inputs) and
-    every engine of a batch size. `DFLASH_COMPILE_DECODE=0` (or a non-CUDA device) runs them
-    eagerly.
-    """
-
-    def __init__(self, device: torch.device, compiled: bool | None = None):
-        if compiled is None:
-            compiled = device.type == "cuda" and os.environ.get("DFLASH_COMPILE_DECODE", "1") != "0"
-        self.compiled = compiled
-        self.projections = _compiled(step_projections) if compiled else step_projections
-        self.mlp = _compiled(step_mlp) if compiled else step_mlp
-
-
-_COMPILED: dict = {}
-
-
-def _compiled(fn):
-    """One compiled wrapper per function for the process: every engine shares its graphs."""
-    if fn not in _COMPILED:
-        # shapes left to automatic dynamism: the evaluation's steps come in a few query counts
-        # (1 token, the block, the tree budget), each its own graph would hit the recompile limit
-        _COMPILED[fn] = torch.compile(fn)
-    return _COMPILED[fn]
 
 
 class StaticTarget:
