@@ -1,4 +1,5 @@
-"""`dflash <stage>`: every workflow rule calls one of these, so each stage runs without Snakemake.
+"""`dflash-train <stage>` (or `python -m dflash <stage>`): every workflow rule calls one of these,
+so each stage runs without Snakemake.
 
 `--config` takes a YAML file or an inline JSON object (the rules pass the exact subset of the
 config a stage depends on, which is also what makes Snakemake rerun it when that subset changes).
@@ -21,7 +22,7 @@ log = logging.getLogger("dflash")
 EPILOG = """\
 A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
 tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
-ddtree, report, record. verify and compare read finished runs. `dflash STAGE --help` lists a
+ddtree, report, record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
 stage's arguments; docs/workflow.md has the rule behind each."""
 
 
@@ -57,7 +58,7 @@ def _add_decoding(sub, name: str, help: str):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dflash",
+        prog="dflash-train",
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
