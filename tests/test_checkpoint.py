@@ -37,6 +37,25 @@ def test_corrupt_newest_is_reported_and_skipped(tmp_path, caplog):
     assert "step-00000002 is corrupt (state.pt sha256 mismatch)" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda text: "", "SHA256SUMS does not list state.pt"),
+        (lambda text: text[: len(text) // 3], "SHA256SUMS line 1 is malformed"),
+        (lambda text: text.splitlines()[1] + "\n", "SHA256SUMS does not list state.pt"),
+    ],
+    ids=["emptied", "truncated", "a-line-lost"],
+)
+def test_a_damaged_checksum_list_vouches_for_nothing(tmp_path, caplog, damage, reason):
+    save_checkpoint(tmp_path, 1, state(1), {}, keep=3)
+    newest = save_checkpoint(tmp_path, 2, state(2), {}, keep=3)
+    sums = newest / "SHA256SUMS"
+    sums.write_text(damage(sums.read_text()))
+    folder, meta = latest_valid(tmp_path)
+    assert meta["step"] == 1
+    assert f"step-00000002 is corrupt ({reason})" in caplog.text
+
+
 def test_interrupted_write_is_invisible(tmp_path):
     save_checkpoint(tmp_path, 1, state(1), {}, keep=3)
     with pytest.raises(RuntimeError):

@@ -144,8 +144,17 @@ def verify(folder: Path) -> str | None:
     sums = folder / SUMS
     if not sums.exists():
         return f"{SUMS} missing"
-    for line in sums.read_text().splitlines():
-        digest, name = line.split("  ", 1)
+    listed = {}
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name:
+            return f"{SUMS} line {number} is malformed"
+        listed[name] = digest
+    # a damaged (e.g. emptied) list must not vouch for files it no longer names
+    for name in ("state.pt", "meta.json"):
+        if name not in listed:
+            return f"{SUMS} does not list {name}"
+    for name, digest in listed.items():
         path = folder / name
         if not path.exists():
             return f"{name} missing"
