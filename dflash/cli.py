@@ -22,7 +22,7 @@ log = logging.getLogger("dflash")
 EPILOG = """\
 A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
 tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
-ddtree, report, record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
+ddtree (and eval-vllm where vLLM is installed), report, record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
 stage's arguments; docs/workflow.md has the rule behind each."""
 
 
@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
     p.set_defaults(stage="dflash.eval.run:run_ddtree")
 
+    p = _add_decoding(sub, "eval-vllm", "the drafter served by vLLM's DFlash method, beside eval")
+    p.add_argument("--acceptance", type=Path, required=True, help="eval's acceptance.json")
+    p.add_argument("--output", type=Path, required=True, help="vllm.json to write")
+    p.set_defaults(stage="dflash.eval.vllm_stage:run")
+
     p = _add(
         sub,
         "report",
@@ -199,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ddtree", "the DDTree evaluation's ddtree.json"),
     ):
         p.add_argument(f"--{name}", type=Path, required=True, help=what)
+    p.add_argument("--vllm", type=Path, help="eval_vllm's vllm.json, where that stage ran")
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
     p.set_defaults(stage="dflash.eval.report:run")

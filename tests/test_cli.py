@@ -23,6 +23,7 @@ RUN_ORDER = [
     "train",
     "eval",
     "ddtree",
+    "eval-vllm",
     "report",
     "record",
     "verify",

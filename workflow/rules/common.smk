@@ -1,6 +1,7 @@
 # Shared helpers: result paths, the exact config subset each rule depends on, and hashes of the
 # code and environment (Snakemake cannot see imported modules or pip upgrades by itself); the
 # rule files' input and param functions live here too, so that those files hold rules only.
+import importlib.util
 import json
 import re
 import shlex
