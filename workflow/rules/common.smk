@@ -10,13 +10,19 @@ import sys
 from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 
-from dflash.config import validate as dflash_validate
+from dflash.config import check_paths, validate as dflash_validate
+from dflash.errors import UserError
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_file, sha256_json
 from dflash.manifest import code_hash, environment_hash
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
-dflash_validate(config, "workflow config")
+# A user's mistake is reported as Snakemake reports its own (the message and where, no
+# traceback), before any job: a path that does not exist, a key the schema refuses.
+try:
+    check_paths(dflash_validate(config, "workflow config"), "the workflow config")
+except UserError as e:
+    raise WorkflowError(str(e)) from None
 
 R = config["results"]
 # Reference inputs fetched or converted once (the target rule's conversion), outside the results
@@ -131,7 +137,10 @@ if config["target"]["path"]:
     # surface only once training starts, after regeneration.
     from dflash.model.target import resolve_mask_token
 
-    resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+    try:
+        resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+    except UserError as e:
+        raise WorkflowError(str(e)) from None
 
 
 def target_fingerprint():
