@@ -176,7 +176,7 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     if plan_file.exists():
         plan = read_json(plan_file)
     else:
-        plan = plan_batches(rows, gen.tokenizer, params["batch_size"])
+        plan = plan_batches(rows, gen.tokenizer, params["batch_size"], max_prompt)
         write_json(plan_file, plan)
     static = use_static_engine(params["engine"], gen.model)
     counts = {"new_tokens": 0, "dropped_turns": 0}
