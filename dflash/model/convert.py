@@ -16,6 +16,7 @@ import torch
 
 from dflash.config import expand_user
 from dflash.errors import UserError
+from dflash.filehash import HashCache
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 from dflash.model.target import check_mask_token, resolve_mask_token
@@ -132,6 +133,11 @@ def run(args) -> None:
         build(tmp)
         info = describe_target(tmp, cfg["mask_token_id"]) | made
     write_json(args.info, info)
+    # regeneration identifies the target by its files' content (dflash.filehash): hash it here,
+    # once, rather than in every shard's job
+    hashes = HashCache(expand_user(args.config["cache_dir"]))
+    hashes.tree(args.out)
+    hashes.save()
     if args.manifest:
         write_manifest(
             args.manifest,
