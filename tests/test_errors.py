@@ -127,3 +127,62 @@ def test_other_faults_still_raise(tmp_path, monkeypatch):
     monkeypatch.setattr("dflash.data.expand.write_rows", write_rows)
     with pytest.raises(OSError, match="Input/output error"):
         cli.main(expand_argv(tmp_path, source))
+
+
+@pytest.mark.slow
+def test_after_a_kill_the_next_start_says_whether_the_lock_holder_lives(tmp_path):
+    """Snakemake's LockException advises --unlock, wrong while the other run is alive: a start
+    beside a live run is told to wait and not to unlock; after that run is killed outright
+    (kill -9 of its process group), the next start is told to unlock, and can."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import copy_repo
+
+    repo = copy_repo(tmp_path / "repo")
+    expand = repo / "dflash" / "data" / "expand.py"  # a stage that runs until it is killed
+    expand.write_text(
+        expand.read_text()
+        .replace("    config = args.config\n", "    time.sleep(300)\n", 1)
+        .replace("import logging\n", "import logging\nimport time\n", 1)
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    config = yaml.safe_load((TESTS / "data" / "tiny.yaml").read_text())
+    config["data"]["sources"] = [{"name": "local", "path": "local.jsonl"}]
+    (work / "tiny.yaml").write_text(yaml.safe_dump(config))
+    shutil.copy(TESTS / "data" / "local.jsonl", work)
+    flow = Workflow(repo, work)
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "workflow" / "Snakefile")]
+    cmd += ["--cores", "1", "expand_dataset", "--configfile", "tiny.yaml"]
+    first = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=flow.env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while not list((work / ".snakemake" / "dflash-runs").glob("*.json")):
+            assert first.poll() is None and time.time() < deadline, "the first run never started"
+            time.sleep(0.5)
+        beside = flow.run("expand_dataset", check=False)
+        out = beside.stdout + beside.stderr
+        assert beside.returncode != 0
+        assert f"a run that is still alive (snakemake pid {first.pid} on" in out
+        assert "Do not run `snakemake --unlock` now" in out
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    after = flow.run("expand_dataset", check=False)
+    out = after.stdout + after.stderr
+    assert after.returncode != 0 and "LockException" in out
+    assert f"a run that is gone (snakemake pid {first.pid} on" in out
+    assert "Run `snakemake --unlock`" in out
+    flow.run("--unlock")
+    assert "expand_dataset" in flow.planned_jobs("expand_dataset")

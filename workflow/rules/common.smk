@@ -9,12 +9,14 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
+from snakemake.logging import logger
 
 from dflash.config import check_paths, expand_user, validate as dflash_validate
 from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
+from dflash import locks
 from dflash.manifest import code_hash, environment_hash
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
@@ -24,6 +26,24 @@ try:
     check_paths(dflash_validate(config, "workflow config"), "the workflow config")
 except UserError as e:
     raise WorkflowError(str(e)) from None
+
+# Locks left by a run killed outright stop the next start with Snakemake's LockException,
+# whose advice (--unlock) is wrong while the other run is alive: say which it is, first.
+if workflow.is_main_process and (note := locks.explain()):
+    logger.warning(note)
+
+
+onstart:
+    locks.record_run()
+
+
+onsuccess:
+    locks.forget_run()
+
+
+onerror:
+    locks.forget_run()
+
 
 R = config["results"]
 # Reference inputs fetched or converted once (the target rule's conversion), outside the results
