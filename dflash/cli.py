@@ -14,8 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash.config import ConfigError, load_config, validate
-from dflash.errors import UserError
+from dflash.config import ConfigError, check_paths, load_config, validate
+from dflash.errors import UserError, disk_full
 
 log = logging.getLogger("dflash")
 
@@ -29,10 +29,10 @@ stage's arguments; docs/workflow.md has the rule behind each."""
 def load(value: str) -> dict:
     if value.lstrip().startswith("{"):
         try:
-            return validate(json.loads(value), "--config JSON")
+            return check_paths(validate(json.loads(value), "--config JSON"), "--config JSON")
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config is not valid JSON: {e}") from e
-    return load_config(value)
+    return check_paths(load_config(value), value)
 
 
 def _add(sub, name: str, help: str, config: bool = True):
@@ -326,7 +326,32 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(args, "config"):
             args.config = load(args.config)
         getattr(importlib.import_module(module_name), func_name)(args)
-    except UserError as e:
-        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        error = e if isinstance(e, UserError) else disk_full(e, _paths(args))
+        if error is None:
+            raise
+        _say(f"dflash {args.command}: error: {error}")
         return 1
     return 0
+
+
+def _paths(args) -> list[Path]:
+    """The files and folders a stage was given (its outputs among them)."""
+    paths = []
+    for value in vars(args).values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, Path):
+                paths.append(item)
+    return paths
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        # stderr is the rule's log, on the disk that is full: the terminal, if there is one
+        try:
+            with open("/dev/tty", "w") as tty:
+                tty.write(text + "\n")
+        except OSError:
+            pass
