@@ -3,7 +3,8 @@ the same prompts, with τ and the lossless check.
 
 Sessions: `hf` (transformers' DynamicCache, eager: how the eval decoded before static caches) and
 `static` (preallocated caches, fixed-shape steps replayed as CUDA graphs on GPU: how it decodes
-now). Methods: `target` (no drafts), `lookup` (prompt lookup) and `drafter`. Every method's output
+now). Methods: `target` (no drafts), `lookup` (prompt lookup), `drafter`, `chain` (the drafter's chain
+verified as a tree, as the DDTree stage does) and `tree-N` (DDTree of N nodes). Every method's output
 must equal the same session's target-only output, and both sessions' target-only outputs must
 agree. tokens/s counts the tokens after the prompt's forward over the time after it, as the
 eval and the public DFlash benchmark do; the first prompt of each pair is decoded once untimed
@@ -34,6 +35,7 @@ from dflash.eval.decode import (  # noqa: E402
     Proposer,
     StaticSession,
     generate,
+    generate_tree,
 )
 from dflash.eval.metrics import acceptance  # noqa: E402
 from dflash.eval.setup import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
@@ -49,9 +51,10 @@ def real_setup(args, device):
     from dflash.config import load_config
 
     config = load_config(args.config)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    drafter = load_drafter(args.drafter, dtype=torch.float32, device=device).eval()
+    drafter = load_drafter(args.drafter, dtype=dtype, device=device).eval()
     prompts = eval_prompts(config, args.held_out)
     # Spread the prompts over the sets (held-out first, then MT-Bench, ...).
     by_set: dict[str, list] = {}
@@ -68,14 +71,29 @@ def random_setup(args, device):
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.target_config)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        drafter = Drafter(DrafterConfig.for_target(config, args.drafter_layers, 16, 3)).eval()
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        drafter = Drafter(DrafterConfig.for_target(config, args.drafter_layers, 16, 3))
+        drafter = drafter.to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     encoded = [
-        torch.randint(4, config.vocab_size, (64,), generator=g).tolist()
+        torch.randint(4, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
         for _ in range(args.prompts)
     ]
     return model, drafter, encoded, set()  # no stop token: every prompt decodes max_new_tokens
+
+
+def decoder(method: str, proposers: dict):
+    """`generate` with the method's proposer, or DDTree's `generate_tree` for `tree-BUDGET`."""
+    if method == "chain":  # the drafter's chain verified as a tree, as the DDTree stage does
+        drafter = proposers["drafter"]
+        return lambda session, ids, n, stop: generate_tree(session, drafter, ids, n, stop, None)
+    if method.startswith("tree-"):
+        budget = int(method.removeprefix("tree-"))
+        drafter = proposers["drafter"]
+        return lambda session, ids, n, stop: generate_tree(session, drafter, ids, n, stop, budget)
+    proposer = proposers[method]
+    return lambda session, ids, n, stop: generate(session, proposer, ids, n, stop)
 
 
 def main() -> None:
@@ -93,6 +111,11 @@ def main() -> None:
     parser.add_argument("--sessions", default="hf,static")
     parser.add_argument("--methods", default="target,lookup,drafter")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16 for the speed of real shapes (fp32: the outputs to compare)",
+    )  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompts' length")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, drafter, encoded, stop = (random_setup if args.target_config else real_setup)(
@@ -111,10 +134,10 @@ def main() -> None:
             continue
         session = SESSIONS[name](model, drafter.config.target_layer_ids)
         for method in args.methods.split(","):
-            proposer = proposers[method]
-            generate(session, proposer, encoded[0], args.max_new_tokens, stop)  # untimed
+            decode = decoder(method, proposers)
+            decode(session, encoded[0], args.max_new_tokens, stop)  # untimed
             started = time.perf_counter()
-            gens = [generate(session, proposer, ids, args.max_new_tokens, stop) for ids in encoded]
+            gens = [decode(session, ids, args.max_new_tokens, stop) for ids in encoded]
             wall = time.perf_counter() - started
             outputs[name, method] = [g.tokens for g in gens]
             decoded = sum(sum(g.accepted) for g in gens)

@@ -11,6 +11,7 @@
 #                                         # (or the targets in $TARGETS)
 #                                         # under setsid (a killed run is unlocked and resumed)
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
+#   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed
 #   bash bench/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
 #                                         # e.g. regenerated data) into results/: bench/stages.sh
 #                                         # then skips the stages whose outputs they are
@@ -71,6 +72,13 @@ start)
   echo "start $(date +%s)" >> "$RUN/events"
   setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "snakemake started: $RUN/snakemake.log"
+  ;;
+vllm)  # the vLLM bundle carried in parts (../shared/tools/vllm-wheels.sh DIR, then `stage` each
+  # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
+  cat /tmp/stage/vllm-bundle.tar.part-* | tar x -C /tmp/stage && rm /tmp/stage/vllm-bundle.tar.part-*
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site /tmp/stage/wheels/*.whl
+  python3 -c "import vllm; print('vllm', vllm.__version__)"
   ;;
 unpack)
   mkdir -p results && cat "$2"/data.tar.part-* | tar x -C results

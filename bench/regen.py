@@ -41,7 +41,7 @@ def hf_pass(gen, rows, batch_size, max_prompt):
     by_id = {r["id"]: r for r in rows}
     out, tokens = {}, 0
     started = time.perf_counter()
-    for ids in plan_batches(rows, gen.tokenizer, batch_size):
+    for ids in plan_batches(rows, gen.tokenizer, batch_size, max_prompt):
         convs, n = regenerate_batch(gen, [by_id[i] for i in ids], max_prompt)
         out.update({c.row["id"]: c.result()["turn_token_ids"] for c in convs})
         tokens += n
@@ -51,7 +51,9 @@ def hf_pass(gen, rows, batch_size, max_prompt):
 
 def static_pass(gen, rows, batch_size, max_prompt, attention="sdpa", overlap=True):
     by_id = {r["id"]: r for r in rows}
-    order = [by_id[i] for ids in plan_batches(rows, gen.tokenizer, batch_size) for i in ids]
+    order = [
+        by_id[i] for ids in plan_batches(rows, gen.tokenizer, batch_size, max_prompt) for i in ids
+    ]
     out, tiers = {}, []
     started = time.perf_counter()
     tokens = regenerate_continuous(

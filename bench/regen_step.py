@@ -3,18 +3,25 @@
     python bench/regen_step.py --target results/target/hf
     python bench/regen_step.py --target-config bench/configs/smollm2-135m   # random weights
 
+    python bench/regen_step.py --target-config bench/qwen3-8b-config --attention flex \
+        --compiled 0 1 --shapes 128x1280 128x3584 1x1280 --no-prefill   # fused against not
+
 Times one `BatchedGreedy.step()` (CUDA-graph replay + host sync) against the same step run
-eagerly, for each decode-step attention (`sdpa`: the whole preallocated cache under a mask, so
-its cost grows with the capacity, prompt tier + max_new_tokens; `flex`: only each row's live key
-blocks), and one full prefill call of prompts three quarters of the tier (capacity - 512) long,
-per prompt, beside one prompt per call (how prefill ran before). The rows' positions are spread
-evenly from that prompt length to the end of the cache, as in a refilled batch mid-run.
+without a graph, its layers fused by torch.compile or not, beside the bandwidth roofline (the
+weights and each row's live cache read once at 4.8 TB/s), for each decode-step attention
+(`sdpa`: the whole preallocated cache under a mask, so its cost grows with the capacity, prompt
+tier + max_new_tokens; `flex`: only each row's live key blocks), and one full prefill call of
+prompts three quarters of the tier (capacity - 512) long, per prompt, beside one prompt per call
+(how prefill ran before). The rows' positions are spread evenly from that prompt length to the
+end of the cache, as in a refilled batch mid-run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,6 +44,21 @@ def shape(text: str) -> tuple[int, int]:
     return batch, capacity
 
 
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one token in every layer."""
+    c = model.config
+    dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * dim * 2  # bf16
+
+
+def read_weight_bytes(model) -> int:
+    """The weights a decode step reads: all but the input embedding table (one row a token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
 def timed(fn, n: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -55,6 +77,12 @@ def main():
     source.add_argument("--target-config", type=Path, help="random weights: time is the same")
     parser.add_argument("--attention", nargs="+", default=["sdpa", "flex"])
     parser.add_argument(
+        "--compiled", nargs="+", default=["1"], choices=["0", "1"],
+        help="the step's layers fused by torch.compile (1) or eager (0); both: 0 1",
+    )  # fmt: skip
+    parser.add_argument("--no-prefill", action="store_true", help="time the decode step alone")
+    parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
+    parser.add_argument(
         "--shapes", nargs="+", type=shape, help="BATCHxCAPACITY, e.g. 512x2560 (default: SHAPES)"
     )
     args = parser.parse_args()
@@ -63,26 +91,54 @@ def main():
         model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16)
     else:
         config = AutoConfig.from_pretrained(args.target_config)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        with torch.device("cuda"):  # drawn on the GPU: an 8B model on the host takes minutes
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model = model.cuda().eval()
-    for (batch, capacity), attention in itertools.product(shapes, args.attention):
+    variants = itertools.product(shapes, args.attention, args.compiled)
+    for (batch, capacity), attention, compiled in variants:
         tier = capacity - 512
         n = tier * 3 // 4  # a prompt three quarters of its tier long
-        engine = BatchedGreedy(model, batch, capacity, prompt_width=tier, attention=attention)
+        engine = BatchedGreedy(
+            model, batch, capacity, prompt_width=tier, attention=attention,
+            compiled=compiled == "1",
+        )  # fmt: skip
         spread = torch.linspace(n, capacity - 1, batch, device=engine.device).long()
 
         def step(e=engine, spread=spread):
             e.positions.copy_(spread)  # step() advances them: start each call from the spread
             e.step()
 
-        step()  # captures
+        started = time.perf_counter()
+        step()  # compiles (when compiled) and captures
+        first_s = time.perf_counter() - started
+        step_s = timed(step, 50)
+        eager = timed(lambda e=engine, p=spread: e._step(e.tokens, p), 20)
+        row = {
+            "batch": batch, "capacity": capacity, "attention": attention,
+            "compiled": compiled == "1", "first_step_s": round(first_s, 2),
+            "step_ms": round(step_s * 1e3, 3), "not_graphed_ms": round(eager * 1e3, 3),
+            "tokens_per_s": round(batch / step_s),
+            "weights_gb": round(read_weight_bytes(model) / 1e9, 2),
+            # each row's cache up to its position, keys and values of every layer
+            "kv_gb": round(float(spread.add(1).sum()) * kv_bytes_per_token(model) / 1e9, 2),
+        }  # fmt: skip
+        row["roofline_ms"] = round((row["weights_gb"] + row["kv_gb"]) / 4.8, 3)
+        row["of_roofline"] = round(row["roofline_ms"] / row["step_ms"], 3)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        if args.no_prefill:
+            del engine, step  # the step's defaults hold the engine: both, or its caches stay
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
         rows = list(range(engine.prefill_rows))
         prompts = [list(range(n))] * len(rows)
         engine.prefill(rows, prompts)
-        step_s = timed(step, 50)
-        eager = timed(lambda e=engine, p=spread: e._step(e.tokens, p), 20)
         prefill = timed(lambda e=engine, r=rows, p=prompts: e.prefill(r, p), 20) / len(rows)
-        del engine
+        del engine, step
+        gc.collect()
         torch.cuda.empty_cache()
         # before: one prompt per call, padded to a multiple of 64
         alone = BatchedGreedy(model, batch, capacity, prompt_width=-(-n // 64) * 64)

@@ -1,4 +1,5 @@
-"""`dflash <stage>`: every workflow rule calls one of these, so each stage runs without Snakemake.
+"""`dflash-train <stage>` (or `python -m dflash <stage>`): every workflow rule calls one of these,
+so each stage runs without Snakemake.
 
 `--config` takes a YAML file or an inline JSON object (the rules pass the exact subset of the
 config a stage depends on, which is also what makes Snakemake rerun it when that subset changes).
@@ -13,26 +14,26 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash.config import ConfigError, load_config, validate
+from dflash.config import ConfigError, check_paths, load_config, validate
 from dflash.custody import check_inputs
-from dflash.errors import UserError
+from dflash.errors import UserError, disk_full
 
 log = logging.getLogger("dflash")
 
 EPILOG = """\
 A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
 tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
-ddtree, report, record. verify and compare read finished runs. `dflash STAGE --help` lists a
+ddtree (and eval-vllm where vLLM is installed), report, record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
 stage's arguments; docs/workflow.md has the rule behind each."""
 
 
 def load(value: str) -> dict:
     if value.lstrip().startswith("{"):
         try:
-            return validate(json.loads(value), "--config JSON")
+            return check_paths(validate(json.loads(value), "--config JSON"), "--config JSON")
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config is not valid JSON: {e}") from e
-    return load_config(value)
+    return check_paths(load_config(value), value)
 
 
 def _add(sub, name: str, help: str, config: bool = True):
@@ -58,7 +59,7 @@ def _add_decoding(sub, name: str, help: str):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dflash",
+        prog="dflash-train",
         description=__doc__,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -187,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
     p.set_defaults(stage="dflash.eval.run:run_ddtree", reads=("target", "drafter", "held_out"))
 
+    p = _add_decoding(sub, "eval-vllm", "the drafter served by vLLM's DFlash method, beside eval")
+    p.add_argument("--acceptance", type=Path, required=True, help="eval's acceptance.json")
+    p.add_argument("--output", type=Path, required=True, help="vllm.json to write")
+    p.set_defaults(stage="dflash.eval.vllm_stage:run")
+
     p = _add(
         sub,
         "report",
@@ -201,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ddtree", "the DDTree evaluation's ddtree.json"),
     ):
         p.add_argument(f"--{name}", type=Path, required=True, help=what)
+    p.add_argument("--vllm", type=Path, help="eval_vllm's vllm.json, where that stage ran")
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
     p.set_defaults(
@@ -326,9 +333,35 @@ def main(argv: list[str] | None = None) -> int:
             args.config = load(args.config)
         # before any work: what the stage reads is still what its producer wrote
         reads = {name: getattr(args, name) for name in getattr(args, "reads", ())}
-        check_inputs(reads, getattr(args, "manifest", None))
+        config = getattr(args, "config", None) or {}
+        check_inputs(reads, getattr(args, "manifest", None), config.get("cache_dir"))
         getattr(importlib.import_module(module_name), func_name)(args)
-    except UserError as e:
-        print(f"dflash {args.command}: error: {e}", file=sys.stderr)
+    except Exception as e:
+        error = e if isinstance(e, UserError) else disk_full(e, _paths(args))
+        if error is None:
+            raise
+        _say(f"dflash {args.command}: error: {error}")
         return 1
     return 0
+
+
+def _paths(args) -> list[Path]:
+    """The files and folders a stage was given (its outputs among them)."""
+    paths = []
+    for value in vars(args).values():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, Path):
+                paths.append(item)
+    return paths
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        # stderr is the rule's log, on the disk that is full: the terminal, if there is one
+        try:
+            with open("/dev/tty", "w") as tty:
+                tty.write(text + "\n")
+        except OSError:
+            pass

@@ -57,6 +57,46 @@ def validate(config: dict, source: str = "config") -> dict:
     return config
 
 
+def _input_paths(config: dict):
+    """(key, path, kind) of every file or folder the config says to read: "dir", "file" or
+    "any" (a model config may be a config.json or the folder holding one)."""
+    target = config.get("target") or {}
+    if target.get("path"):
+        yield "target.path", target["path"], "dir"
+    if target.get("random_init"):
+        yield "target.random_init.config", target["random_init"]["config"], "any"
+    data = config.get("data") or {}
+    for i, source in enumerate(data.get("sources") or []):
+        if source.get("path"):
+            yield f"data.sources[{i}].path", source["path"], "file"
+    if data.get("previous_stats"):
+        yield "data.previous_stats", data["previous_stats"], "file"
+    for i, spec in enumerate((config.get("eval") or {}).get("sets") or []):
+        if spec.get("path"):
+            yield f"eval.sets[{i}].path", spec["path"], "file"
+
+
+def check_paths(config: dict, source: str = "config") -> dict:
+    """Raise ConfigError naming each key whose path does not exist, before any job runs: a
+    missing file found by a stage costs the stages before it, and found while the workflow is
+    parsed it was a FileNotFoundError traceback."""
+    wrong = []
+    for key, value, kind in _input_paths(config):
+        path = expand_user(value)
+        if kind == "dir" and not path.is_dir():
+            wrong.append(f"{key}: {value}: no such directory")
+        elif kind == "file" and not path.is_file():
+            wrong.append(f"{key}: {value}: no such file")
+        elif not path.exists():
+            wrong.append(f"{key}: {value}: no such file or directory")
+    if wrong:
+        raise ConfigError(
+            f"{source} names input paths that do not exist ({'; '.join(wrong)}); relative paths"
+            f" are read from the working directory, {Path.cwd()}"
+        )
+    return config
+
+
 def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:

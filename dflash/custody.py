@@ -13,9 +13,10 @@ Cost: files under the results folder (parquet, drafter, JSON) are hashed in full
 (planning hashes them in parallel threads): each is read by a few jobs that take far longer than
 hashing it (~1 GB/s a core), and a change that keeps size and mtime (a bit flipped below the
 filesystem, a copy with `cp -p`) is exactly what must not be missed there. A file outside it (the converted target under resources/:
-16 GB at 8B, read by every job of every run) is hashed in full once, then trusted while its
-size, mtime, ctime and inode are unchanged (ctime cannot be set back by hand, so a rewrite,
-truncation, `touch -r` or replacement is hashed again); `dflash verify` re-hashes it in full.
+16 GB at 8B, read by every job of every run) goes through the hash cache (dflash.filehash):
+hashed in full once, then trusted while its size, mtime, ctime and inode are unchanged (ctime
+cannot be set back by hand, so a rewrite, truncation, `cp -p` or replacement is hashed again);
+`dflash verify` re-hashes it in full.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.config import expand_user
 from dflash.errors import UserError
-from dflash.io import read_json, sha256_file, write_json
+from dflash.filehash import HashCache
+from dflash.io import read_json, sha256_file
 
-# Where the stat-keyed hashes of files outside the results folder are kept (an undeclared
-# folder: dflash.record.UNDECLARED), and where damaged outputs are moved.
-CACHE = "work/custody-sha256.json"
+# Where damaged outputs are moved: an undeclared folder (dflash.record.UNDECLARED).
 QUARANTINE = "work/damaged"
+# The hash cache's folder when a stage is given no config (the schema's cache_dir default).
+DEFAULT_CACHE_DIR = "~/.cache/dflash"
 
 
 @dataclass(frozen=True)
@@ -91,38 +94,19 @@ def recorded_files(path: Path, manifest: dict) -> dict[Path, str]:
 
 
 class Hasher:
-    """sha256 of a file (None if missing); see the module doc for which ones are cached."""
+    """sha256 of a file (None if missing): in full under the results folder, else through the
+    hash cache (see the module doc)."""
 
-    def __init__(self, results: Path | None):
+    def __init__(self, results: Path | None, cache: HashCache):
         self.results = results.resolve() if results else None
-        self.cache_file = self.results / CACHE if self.results else None
-        self.cache = {}
-        if self.cache_file and self.cache_file.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                self.cache = read_json(self.cache_file)
-        if not isinstance(self.cache, dict):
-            self.cache = {}
-        self.changed = False
+        self.cache = cache
 
     def __call__(self, path: Path) -> str | None:
         if not path.is_file():
             return None
-        if self.results is None or path.is_relative_to(self.results):
+        if self.results is not None and path.is_relative_to(self.results):
             return sha256_file(path)
-        st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        hit = self.cache.get(str(path))
-        if isinstance(hit, list) and hit[:4] == stamp:
-            return hit[4]
-        digest = sha256_file(path)
-        self.cache[str(path)] = [*stamp, digest]
-        self.changed = True
-        return digest
-
-    def save(self) -> None:
-        if self.changed:  # best effort: a lost entry costs one more hash, never a wrong one
-            with contextlib.suppress(OSError):
-                write_json(self.cache_file, self.cache)
+        return self.cache.sha256(path)
 
 
 def compare(recorded: Mapping[Path, tuple[str, Path]], hasher: Hasher) -> list[Mismatch]:
@@ -130,7 +114,7 @@ def compare(recorded: Mapping[Path, tuple[str, Path]], hasher: Hasher) -> list[M
     paths = sorted(recorded)
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         actual = list(pool.map(hasher, paths))
-    hasher.save()
+    hasher.cache.save()
     return [
         Mismatch(p, recorded[p][0], a, recorded[p][1])
         for p, a in zip(paths, actual, strict=True)
@@ -169,13 +153,16 @@ def results_folder(paths: Iterable[Path]) -> Path | None:
     return None
 
 
-def check_inputs(inputs: Mapping[str, object], manifest: Path | None = None) -> None:
+def check_inputs(
+    inputs: Mapping[str, object], manifest: Path | None = None, cache_dir: str | None = None
+) -> None:
     """Refuse (UserError) if a file the stage is about to read differs from its producer's
     record. The producers' manifests are those of the results folder the inputs are in (its
     manifests/) and a `manifest.json` beside an input (the converted target's folder). A file
     no stage recorded (a user's own data or target) is not checked, nor one whose producer's
-    manifest cannot be read (planning reruns that producer). `manifest` is the stage's own:
-    its results folder keeps the hashes of big files outside it."""
+    manifest cannot be read (planning reruns that producer). `manifest` is the stage's own (it
+    names the results folder when no input is in one); `cache_dir` the config's (the hash
+    cache's folder)."""
     reads = [p.resolve() for value in inputs.values() for p in _paths(value)]
     own = [Path(manifest).resolve()] if manifest is not None else []
     results = results_folder(own + reads)
@@ -186,7 +173,8 @@ def check_inputs(inputs: Mapping[str, object], manifest: Path | None = None) -> 
     recorded = {
         f: rec for f, rec in found.items() if any(f == p or f.is_relative_to(p) for p in reads)
     }
-    bad = compare(recorded, Hasher(results))
+    cache = HashCache(expand_user(cache_dir or DEFAULT_CACHE_DIR))
+    bad = compare(recorded, Hasher(results, cache))
     if bad:
         raise UserError(
             "an input is not what its producer wrote: "
@@ -197,7 +185,10 @@ def check_inputs(inputs: Mapping[str, object], manifest: Path | None = None) -> 
 
 
 def damaged(
-    manifests: Iterable[Path], declared: Iterable[str | os.PathLike], results: Path
+    manifests: Iterable[Path],
+    declared: Iterable[str | os.PathLike],
+    results: Path,
+    cache: HashCache,
 ) -> dict[Path, list[str]]:
     """Declared output (a file, or a directory output) -> why it differs from its stage's
     record. Only declared outputs count: a manifest left by another config may name files no
@@ -205,7 +196,7 @@ def damaged(
     declared = {Path(d).resolve() for d in declared}
     recorded, unreadable = producers(manifests)
     found = {p: [f"{rel(p)} is not a readable stage manifest"] for p in unreadable if p in declared}
-    for mismatch in compare(recorded, Hasher(results)):
+    for mismatch in compare(recorded, Hasher(results, cache)):
         if mismatch.actual is None:
             continue  # a missing output: Snakemake reruns its rule by itself
         owner = next((p for p in (mismatch.path, *mismatch.path.parents) if p in declared), None)

@@ -5,4 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==${DFLASH_TORCH_VERSION:-2.13.0}"
+# Before 2026-12-03 this project installed as `dflash`, the name of the DFlash authors' package:
+# drop such an install of this folder, so that no old `dflash` command or import hook remains.
+.venv/bin/python -I -c 'import importlib.metadata as m, json, os, sys
+u = json.loads(m.distribution("dflash").read_text("direct_url.json") or "{}")
+sys.exit(u.get("url") != "file://" + os.getcwd())' 2>/dev/null &&
+    .venv/bin/python -m pip uninstall -q -y dflash
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"

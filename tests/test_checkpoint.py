@@ -4,6 +4,7 @@ import torch
 from dflash.train.checkpoint import (
     BackgroundCheckpoints,
     ContractError,
+    UnsafeCheckpointError,
     check_contract,
     latest_valid,
     load_state,
@@ -34,6 +35,25 @@ def test_corrupt_newest_is_reported_and_skipped(tmp_path, caplog):
     folder, meta = latest_valid(tmp_path)
     assert meta["step"] == 1
     assert "step-00000002 is corrupt (state.pt sha256 mismatch)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda text: "", "SHA256SUMS does not list state.pt"),
+        (lambda text: text[: len(text) // 3], "SHA256SUMS line 1 is malformed"),
+        (lambda text: text.splitlines()[1] + "\n", "SHA256SUMS does not list state.pt"),
+    ],
+    ids=["emptied", "truncated", "a-line-lost"],
+)
+def test_a_damaged_checksum_list_vouches_for_nothing(tmp_path, caplog, damage, reason):
+    save_checkpoint(tmp_path, 1, state(1), {}, keep=3)
+    newest = save_checkpoint(tmp_path, 2, state(2), {}, keep=3)
+    sums = newest / "SHA256SUMS"
+    sums.write_text(damage(sums.read_text()))
+    folder, meta = latest_valid(tmp_path)
+    assert meta["step"] == 1
+    assert f"step-00000002 is corrupt ({reason})" in caplog.text
 
 
 def test_interrupted_write_is_invisible(tmp_path):
@@ -80,3 +100,56 @@ def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
         writer.wait()
     writer.wait()  # reported once
     assert latest_valid(tmp_path) is None
+
+
+def test_the_state_a_trainer_writes_resumes_under_weights_only_loading(tmp_path):
+    """What Trainer.checkpoint saves (weights, AdamW and its cosine schedule after a step, every
+    drafter's RNG state) loads back whole with weights_only=True."""
+    from dflash.train.trainer import cosine_with_warmup
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(10, 0.04))
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    saved = {
+        "drafter": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": [torch.get_rng_state(), torch.get_rng_state()],
+    }
+    save_checkpoint(tmp_path, 1, saved, {"epoch": 0}, keep=1)
+    loaded = load_state(tmp_path / "step-00000001")
+    fresh = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=6e-4)
+    fresh.load_state_dict(loaded["optimizer"])  # as Trainer.resume does
+    assert loaded["scheduler"] == scheduler.state_dict()
+    moment = optimizer.state[model.weight]["exp_avg"]
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], moment)
+    assert all(torch.equal(a, b) for a, b in zip(loaded["rng"], saved["rng"], strict=True))
+
+
+class _RunsCode:
+    """Unpickling this would open (create) a file: any callable could stand there."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_with_a_pickled_object_is_refused_without_running_it(tmp_path):
+    """SHA256SUMS matches (the file is the one written beside it), yet the object is neither
+    unpickled nor its code run: the error names the file, the object and what to do."""
+    marker = tmp_path / "ran"
+    folder = save_checkpoint(
+        tmp_path / "ckpt", 5, {"model": state(5)["model"], "x": _RunsCode(marker)}, {}, keep=1
+    )
+    assert latest_valid(tmp_path / "ckpt")[0] == folder  # its sums verify
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_state(folder)
+    message = str(refused.value)
+    assert f"cannot resume from {folder / 'state.pt'}" in message
+    assert "pickled io.open" in message and f"Move {folder} away" in message
+    assert not marker.exists()

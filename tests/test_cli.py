@@ -1,9 +1,16 @@
-"""Every flag of every `dflash` stage says what it is, and `dflash --help` lists the stages in the
-order a run uses them."""
+"""Every flag of every stage says what it is, `dflash-train --help` lists the stages in the order
+a run uses them, and the package is installed under names that do not shadow the DFlash authors'
+reference package (`dflash` on PyPI)."""
 
 import argparse
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 from dflash.cli import build_parser
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 RUN_ORDER = [
     "target",
@@ -16,6 +23,7 @@ RUN_ORDER = [
     "train",
     "eval",
     "ddtree",
+    "eval-vllm",
     "report",
     "record",
     "verify",
@@ -48,3 +56,16 @@ def test_the_help_lists_the_stages_in_the_order_a_run_uses_them():
     text = parser.format_help()
     positions = [text.index(f"    {name}") for name in RUN_ORDER]
     assert positions == sorted(positions)
+
+
+def test_the_distribution_and_its_command_do_not_take_the_reference_packages_name():
+    """pip and the console script say `dflash-train`; the import folder stays `dflash`, and
+    `python -m dflash` (what every rule runs) is the same command."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert project["name"] == "dflash-train"
+    assert project["scripts"] == {"dflash-train": "dflash.cli:main"}
+    assert build_parser().prog == "dflash-train"
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash", "--help"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.startswith("usage: dflash-train ")

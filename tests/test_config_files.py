@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash.config import flatten, load_config, load_schema
+from dflash.config import ConfigError, flatten, load_config, load_schema
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "config").glob("*.yaml"))
@@ -65,3 +65,12 @@ def test_the_schema_says_which_defaults_assume_a_gpu():
         ("eval", "ddtree", "budgets"),
     ]:
         assert "GPU" in described(*keys), keys
+
+
+def test_trust_remote_code_is_refused_naming_the_key(tmp_path):
+    """No model code from a target's folder is ever run, so the key that once promised it (and
+    was never read) is refused rather than silently ignored."""
+    config = tmp_path / "remote.yaml"
+    config.write_text(yaml.safe_dump({"target": {"path": "t", "trust_remote_code": True}}))
+    with pytest.raises(ConfigError, match=r"target: .*'trust_remote_code' was unexpected"):
+        load_config(config)

@@ -15,8 +15,9 @@ from dflash.eval.decode import (
     generate_tree,
 )
 from dflash.eval.run import LookupProposer
-from dflash.model.drafter import Drafter, DrafterConfig
-from dflash.model.engine import StaticTarget
+from dflash.model.drafter import Drafter, DrafterConfig, layer_projections, layer_rest
+from dflash.model.engine import BatchedGreedy, StaticTarget
+from dflash.model.fused import StepPieces, fused
 from dflash.model.objective import full_attend
 
 VOCAB, BLOCK = 64, 4
@@ -101,6 +102,31 @@ def test_static_target_equals_the_transformers_forward(config, small_decoder):
     features = torch.cat([p[1] for p in parts])
     assert torch.equal(tokens, out.logits[0].argmax(-1))
     torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_decode_steps_equal_eager_ones(small_decoder):
+    """The fused (compiled) halves of a decode step's layers, used on GPUs, compute what the eager
+    ones do: the batched engine's tokens and the static target's features and tokens."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**small_decoder)).eval()
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 9, 3)]
+    runs = []
+    for compiled in (False, True):
+        engine = BatchedGreedy(model, 3, capacity=64, prompt_width=16, compiled=compiled)
+        first = engine.prefill([0, 1, 2], prompts)
+        runs.append([first] + [engine.step() for _ in range(12)])
+    assert runs[0] == runs[1]
+
+    ids = torch.randint(0, VOCAB, (1, 14))
+    pos = torch.arange(14)[None]
+    outs = []
+    for compiled in (False, True):
+        engine = StaticTarget(model, [0, 2], capacity=32)
+        engine.pieces = StepPieces(engine.rows.device, compiled=compiled)
+        engine.forward(ids[:, :9], pos[:, :9], pos[0, :9], last_only=True)
+        outs.append(engine.forward(ids[:, 9:], pos[:, 9:], pos[0, 9:]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -205,14 +231,18 @@ def test_max_new_tokens_caps_the_last_round(target, drafter):
     assert out.tokens == reference.tokens[:7] and out.accepted == [BLOCK, 2]
 
 
-def test_static_drafter_session_equals_recomputing_the_whole_context(target, drafter):
+@pytest.mark.parametrize("fused_layers", [False, True], ids=["eager", "fused"])
+def test_static_drafter_session_equals_recomputing_the_whole_context(target, drafter, fused_layers):
     """Drafting after context fed in rounds (cached, padded to B) == drafting after it all at
-    once through the training-time forward."""
+    once through the training-time forward; with the rounds' layers fused (compiled) as on
+    GPUs, too."""
     torch.manual_seed(2)
     width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     feats = torch.randn(11, width)
     embed, head = target.get_input_embeddings(), target.lm_head.weight
     pieces = DrafterSession(drafter, embed, head)
+    cpu = torch.device("cpu")
+    pieces.pieces = tuple(fused(f, cpu, fused_layers) for f in (layer_projections, layer_rest))
     pieces.reset(64)
     for chunk in (feats[:6], feats[6:9]):
         pieces.draft_logits(5, chunk)

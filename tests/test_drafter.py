@@ -379,6 +379,11 @@ def test_save_load_round_trip_and_public_layout(tmp_path):
     assert (tmp_path / "d" / "dflash.py").read_text().startswith('"""The DFlash drafter')
     assert config["block_size"] == 4 and config["num_target_layers"] == 8
     assert config["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 3, 5]}
+    # the rest of what vLLM 0.24.0's DFlash loader reads (docs/serving.md names the files)
+    vllm = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}
+    vllm |= {"num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "hidden_act"}
+    vllm |= {"max_position_embeddings", "vocab_size"}
+    assert vllm <= config.keys(), vllm - config.keys()
     from transformers import Qwen3Config
 
     hf = Qwen3Config(
@@ -408,6 +413,40 @@ def test_automodel_with_remote_code_builds_the_drafter_and_drafts_what_it_does(t
         ours = model(block, feats, positions[:, s:], positions[:, :s], full_attend)
         theirs = hf(noise_embedding=block, target_hidden=feats, position_ids=positions)
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("max_new", "stop"), [(30, set()), (7, set()), (30, {17, 40})], ids=["free", "cap", "stop"]
+)
+def test_spec_generate_of_the_export_commits_what_our_evaluation_commits(
+    tmp_path, small_decoder, max_new, stop
+):
+    """The exported class's `spec_generate` (the reference class's method, written by us) is
+    our evaluation's loop: same tokens, same tokens per round, under a cap and at stop tokens.
+    tests/test_reference_client.py checks it on a trained drafter and against the reference."""
+    from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+    from dflash.eval.decode import DrafterProposer, HFSession, generate
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**small_decoder)).eval()
+    model = Drafter(DrafterConfig.for_target(target.config, 1, 4, 63)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    save_drafter(model, tmp_path / "d", dtype=torch.float32)
+    hf = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True).eval()
+    embed, head = target.get_input_embeddings(), target.lm_head.weight
+    for prompt in ([1, 5, 9, 13, 2, 7, 30, 31], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5, 6]):
+        ours = generate(
+            HFSession(target, model.config.target_layer_ids),
+            DrafterProposer(model, embed, head),
+            prompt,
+            max_new,
+            stop,
+        )
+        out = hf.spec_generate(target, torch.tensor([prompt]), max_new, sorted(stop))
+        assert out[0].tolist() == prompt + ours.tokens
+        assert hf.acceptance_lengths == ours.accepted
 
 
 def test_default_layer_ids():

@@ -206,3 +206,17 @@ def test_held_out_keeps_system_and_first_user_turn(tmp_path):
     ]
     assert prompts[1].messages == user("hi")
     assert load(path, "held_out", max_prompts=1) == prompts[:1]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_an_eval_set_with_a_byte_order_mark_reads_its_first_line(tmp_path, encoding):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_bytes('{"question": "1+1?"}\n{"question": "2+2?"}\n'.encode(encoding))
+    assert [p.messages for p in load(path, "gsm8k")] == [user("1+1?"), user("2+2?")]
+
+
+def test_an_eval_set_line_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "g.jsonl"
+    path.write_bytes(b'{"question": "q"}\n{"question": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"g\.jsonl: line 2: not UTF-8 text"):
+        load(path, "gsm8k")

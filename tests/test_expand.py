@@ -10,6 +10,7 @@ import pytest
 from dflash.config import validate
 from dflash.data.expand import collect, opening_prompt, split
 from dflash.data.sources import DataError
+from dflash.errors import UserError
 from dflash.wheels import WheelError, fetch_wheel
 
 
@@ -232,3 +233,27 @@ def test_truncation_between_records_is_reported(tmp_path, cut_after, kept):
     rows, report = collect(data_config(path), tmp_path)
     assert len(rows) == kept
     assert report["s"]["dropped"] == {"truncated_tail": 1}
+
+
+@pytest.mark.parametrize("on_bad_row", ["skip", "error"])
+@pytest.mark.parametrize(
+    "suffix, encoding",
+    [(".jsonl", "utf-8-sig"), (".jsonl", "utf-16"), (".json", "utf-8-sig"), (".json", "utf-16")],
+)
+def test_files_with_a_byte_order_mark_read_every_row(tmp_path, suffix, encoding, on_bad_row):
+    """What Windows tools write: UTF-8 with a BOM lost its first row (skip) or stopped the run
+    (error); UTF-16 with a BOM could not be read at all."""
+    records = [conv(f"q{i} café ☕", f"a{i}") for i in range(3)]
+    text = "\n".join(map(json.dumps, records)) if suffix == ".jsonl" else json.dumps(records)
+    path = tmp_path / f"rows{suffix}"
+    path.write_bytes(text.encode(encoding))
+    rows, report = collect(data_config(path, on_bad_row=on_bad_row), tmp_path)
+    assert [r["conversations"][0]["content"] for r in rows] == [f"q{i} café ☕" for i in range(3)]
+    assert report["s"]["dropped"] == {}
+
+
+def test_a_utf16_file_cut_mid_character_names_the_file(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(json.dumps(conv("q", "a")).encode("utf-16")[:-1])
+    with pytest.raises(UserError, match=r"rows.jsonl: starts with a UTF-16 byte-order mark"):
+        collect(data_config(path), tmp_path)

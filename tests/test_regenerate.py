@@ -126,7 +126,9 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     assert sum(r["conversations"][-1]["role"] == "assistant" for r in rows) == len(rows)
     assert any(len(r["conversations"]) > 2 for r in rows)  # multi-turn rows are in
     gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10)
-    prompt_lengths = sorted(len(_prompt_ids(gen.tokenizer, r["conversations"][:-1])) for r in rows)
+    # a bound far above any of these prompts: their full lengths
+    full = [_prompt_ids(gen.tokenizer, r["conversations"][:-1], 1 << 20) for r in rows]
+    prompt_lengths = sorted(map(len, full))
     max_prompt = prompt_lengths[-2]  # the longest last turn does not fit
 
     convs, hf_tokens = regenerate_batch(gen, rows, max_prompt)

@@ -90,3 +90,41 @@ def test_generated_ids_are_used_exactly_not_re_encoded(tokenizer):
     assert trainable_runs(tokenizer, ids[: len(prompt)], mask[: len(prompt)]) == [
         "Paris is the capital of France.<|im_end|>"
     ]
+
+
+class Spy:
+    """The tokenizer, recording the length of every text it tokenizes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_a_huge_message_is_cut_by_characters_before_it_is_tokenized(tokenizer):
+    """Without max_chars, ten 10 MB messages took 3.1 GB and 16 s a row: the text is now cut
+    near max_length * CHARS_PER_TOKEN characters first, and the tokens kept are the same."""
+    from dflash.data.bounded import CHARS_PER_TOKEN
+    from dflash.data.generation import _prompt_ids
+    from dflash.data.tokenization import assistant_spans
+
+    answer = "The answer, told at length: " + " ".join(f"w{i}" for i in range(100_000))
+    turns = [TURNS[1], {"role": "assistant", "content": answer}, *TURNS[3:]]
+    spy = Spy(tokenizer)
+    ids, mask, cut = encode(spy, turns, truncated=set(), max_length=64)
+    assert cut and max(spy.lengths) < 64 * CHARS_PER_TOKEN + 1000 < len(answer) // 100
+    # the uncut reference: the whole text tokenized (0.7 MB: affordable once, here)
+    text, spans = assistant_spans(tokenizer, turns, set())
+    whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert ids == whole["input_ids"][:64]
+    starts = [start for start, _ in whole["offset_mapping"][:64]]
+    assert mask == [int(any(lo <= s < hi for lo, hi in spans)) for s in starts]
+    assert mask[-1] == 1  # the answer's tokens, trainable
+    # regeneration's prompts too: longer than the bound says, never tokenized whole
+    prompt = _prompt_ids(tokenizer, [{"role": "user", "content": answer}], 64)
+    assert 64 < len(prompt) < 64 * CHARS_PER_TOKEN

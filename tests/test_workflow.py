@@ -293,21 +293,66 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}
 
 
-def test_on_several_nodes_the_train_rule_runs_the_tested_launcher_through_srun(tmp_path):
-    """train.nnodes 2: srun starts on each node the torchrun command that test_distributed runs
-    as two nodes on one host (dflash.train.launch), and a node's ranks share its cores (2 here,
-    one rank per node)."""
+class _Resources(dict):
+    """A job's resources as the SLURM plugin reads them: `.get(name)` and `.name`."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def sbatch_line(resources: dict[str, str], threads: int) -> list[str]:
+    """The sbatch call the installed SLURM plugin builds for a job of these (dry-run) resources,
+    as its executor builds it: its own get_submit_command, then the GPU options."""
+    from types import SimpleNamespace
+
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+    from snakemake_executor_plugin_slurm.validation import validate_slurm_extra
+
+    job = SimpleNamespace(
+        resources=_Resources({k: int(v) if v.isdigit() else v for k, v in resources.items()}),
+        threads=threads,
+    )
+    validate_slurm_extra(job)
+    params = {"run_uuid": "r", "slurm_logfile": "l", "comment_str": "rule_train", "workdir": "."}
+    call = get_submit_command(job, params | {"account": "-A a", "partition": "-p gpu"})
+    return shlex.split(call + set_gres_string(job))
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_the_slurm_train_job_asks_one_task_per_node_with_its_gpus_and_cores(tmp_path, nnodes):
+    """The sbatch line of the train job under the SLURM profile: `nnodes` nodes, one task on
+    each (torchrun starts the ranks), all the topology's GPUs and the profile's 64 cores for that
+    task. Plugin 2.8 turned `tasks` of a GPU job into --ntasks-per-gpu: 2 tasks of 64 cores here,
+    8 on the profile's 8-GPU node. On several nodes the job runs its shell without the plugin's
+    own one-task srun (`mpi`), and that shell's srun starts on each node the torchrun that
+    test_distributed runs as two nodes on one host, with the node's cores."""
     import yaml
 
-    config = yaml.safe_load((TESTS / "data/tiny.yaml").read_text())
-    config["train"] |= {"nnodes": 2, "rdzv_endpoint": "node1:29500"}
-    (tmp_path / "two-nodes.yaml").write_text(yaml.safe_dump(config))
+    config = yaml.safe_load((TESTS / "data/tiny.yaml").read_text())  # 1 target + 1 drafter
+    config["train"] |= {"nnodes": nnodes, "rdzv_endpoint": "node1:29500"}
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(config))
     shutil.copy(TESTS / "data/local.jsonl", tmp_path)  # the workflow hashes local sources
-    out = Workflow(REPO, tmp_path).run("-n", "-p", "train", config="two-nodes.yaml").stdout
-    (train,) = [line for line in out.splitlines() if " -m dflash train " in line]
-    node = shlex.join(launch.command(config["train"], 2, python="python"))
-    assert node.startswith("srun --nodes 2 --ntasks-per-node 1 ")
-    assert f" OMP_NUM_THREADS=2 {node} -m dflash train " in train
+    profile = REPO / "workflow" / "profiles" / "slurm"
+    flow = Workflow(REPO, tmp_path)
+    out = flow.run("-n", "-p", "train", "--workflow-profile", str(profile), config="nodes.yaml")
+    resources = planned_resources(out.stdout)["train"]
+    line = sbatch_line(resources, threads=2)
+    options = dict(o.split("=", 1) if "=" in o else (o, "") for o in line if o.startswith("--"))
+    assert options["--nodes"] == str(nnodes) and options["--ntasks-per-node"] == "1"
+    assert options.get("--ntasks", str(nnodes)) == str(nnodes)
+    assert "--ntasks-per-gpu" not in options and "--cpus-per-gpu" not in options
+    assert options["--gpus"] == "2" and options["--cpus-per-task"] == "64"
+    assert "--exclusive" in options
+    assert ("mpi" in resources) == (nnodes > 1)
+    if nnodes > 1:
+        (train,) = [line for line in out.stdout.splitlines() if " -m dflash train " in line]
+        node = shlex.join(launch.command(config["train"], 2, python="python", cpus=2))
+        assert node.startswith("srun --nodes 2 --ntasks-per-node 1 --cpus-per-task 2 ")
+        assert f" OMP_NUM_THREADS=2 {node} -m dflash train " in train
 
 
 def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.data.bounded import encode_bounded
 from dflash.data.tiers import prompt_tiers
 from dflash.errors import UserError
 from dflash.gpus import claim_gpu
@@ -21,18 +22,27 @@ from dflash.model.memory import require_target_fits
 from dflash.model.precision import resolve_dtype
 
 
-def _prompt_ids(tokenizer, turns: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+def _prompt_ids(tokenizer, turns: list[dict], max_prompt: int) -> list[int]:
+    """The prompt's ids; those of turns cut by characters when it is far longer than
+    `max_prompt` tokens (dflash.data.bounded), which is all its callers need to know then."""
+
+    def ids(short):
+        out = tokenizer.apply_chat_template(short, add_generation_prompt=True, tokenize=True)
+        out = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return out, len(out)
+
+    return encode_bounded(ids, turns, max_prompt)[0]
 
 
-def plan_batches(rows: list[dict], tokenizer, batch_size: int) -> list[list[str]]:
-    """Row ids per batch: sorted by first-prompt length (then id), cut into fixed batches."""
+def plan_batches(rows: list[dict], tokenizer, batch_size: int, max_prompt: int) -> list[list[str]]:
+    """Row ids per batch: sorted by first-prompt length (then id), cut into fixed batches. A
+    prompt longer than `max_prompt` is never answered; its length here may be that of its cut
+    turns (still longer than any that is)."""
 
     def first_prompt_len(row):
         turns = row["conversations"]
         first_user = next(i for i, t in enumerate(turns) if t["role"] == "user")
-        return len(_prompt_ids(tokenizer, turns[: first_user + 1]))
+        return len(_prompt_ids(tokenizer, turns[: first_user + 1], max_prompt))
 
     order = sorted(rows, key=lambda r: (first_prompt_len(r), r["id"]))
     return [[r["id"] for r in order[i : i + batch_size]] for i in range(0, len(order), batch_size)]
@@ -107,7 +117,7 @@ class Conversation:
     def prompt(self, tokenizer, max_prompt: int) -> list[int] | None:
         """The next turn's prompt, or None (and the conversation ends here, see `end_here`)
         when it fills `max_prompt` tokens."""
-        prompt = _prompt_ids(tokenizer, self.turns[: self.todo[0]])
+        prompt = _prompt_ids(tokenizer, self.turns[: self.todo[0]], max_prompt)
         if len(prompt) < max_prompt:
             return prompt
         self.end_here()

@@ -20,6 +20,7 @@ import polars as pl
 import torch
 from tqdm import tqdm
 
+from dflash.config import expand_user
 from dflash.data.expand import read_rows
 from dflash.data.generation import (
     Conversation,
@@ -30,6 +31,7 @@ from dflash.data.generation import (
 )
 from dflash.data.sources import DataError
 from dflash.errors import UserError
+from dflash.filehash import HashCache
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
 from dflash.model.decoder import supports_static
@@ -53,20 +55,18 @@ def in_shard(row_id: str, shard: int, shards: int) -> bool:
     return int(row_id[:12], 16) % shards == shard
 
 
-def _fingerprint(input_path: Path, target_dir: Path, params: dict, shard: int, shards: int) -> str:
+def _fingerprint(
+    input_path: Path, target_dir: Path, params: dict, shard: int, shards: int, hashes: HashCache
+) -> str:
     """Identifies resumable work: same input, target, parameters, shard, code and environment.
 
-    Weights are identified by size and modification time (hashing a large target on every start
-    would cost minutes), small files by content. Code and environment are included so that a
-    rerun Snakemake triggers for a code or package change really regenerates.
+    The target by its files' content, from the cache the workflow fills when it builds the DAG
+    (dflash.filehash: a stat per file): new weights of the same size and date (`cp -p`) must
+    not resume batches the old ones wrote. Code and environment are included so that a rerun
+    Snakemake triggers for a code or package change really regenerates.
     """
-    target_files = {
-        p.name: [p.stat().st_size, p.stat().st_mtime_ns]
-        if p.suffix in (".safetensors", ".bin")
-        else sha256_file(p)
-        for p in sorted(target_dir.iterdir())
-        if p.is_file()
-    }
+    target_files = hashes.tree(target_dir)
+    hashes.save()
     return sha256_json(
         {
             "input": sha256_file(input_path),
@@ -168,15 +168,16 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"])
     # what `auto` resolved to is part of the work's identity: other hardware, other tokens
     resolved = {"max_prompt": max_prompt, "torch_dtype": str(gen.dtype), "on": gen.device.type}
+    hashes = HashCache(expand_user(args.config["cache_dir"]))
     workdir = args.workdir / _fingerprint(
-        args.input, args.target, {**params, **resolved}, args.shard, args.shards
+        args.input, args.target, {**params, **resolved}, args.shard, args.shards, hashes
     )
     workdir.mkdir(parents=True, exist_ok=True)
     plan_file = workdir / "plan.json"
     if plan_file.exists():
         plan = read_json(plan_file)
     else:
-        plan = plan_batches(rows, gen.tokenizer, params["batch_size"])
+        plan = plan_batches(rows, gen.tokenizer, params["batch_size"], max_prompt)
         write_json(plan_file, plan)
     static = use_static_engine(params["engine"], gen.model)
     counts = {"new_tokens": 0, "dropped_turns": 0}

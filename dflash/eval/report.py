@@ -11,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from dflash.eval.vllm_stage import summary_section
 from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
 
@@ -349,5 +350,8 @@ def run(args) -> None:
     acceptance = read_json(args.acceptance)
     ddtree = read_json(args.ddtree)
     _plots(Path(args.plots), stats, metrics, acceptance, ddtree)
+    text = summary_text(stats, train_summary, metrics, acceptance, ddtree)
+    if getattr(args, "vllm", None):
+        text += "\n" + summary_section(read_json(args.vllm))
     with atomic_path(args.summary) as tmp:
-        tmp.write_text(summary_text(stats, train_summary, metrics, acceptance, ddtree))
+        tmp.write_text(text)

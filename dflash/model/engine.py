@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model.decoder import causal_layer, head_dim, mlp, qkv, supports_static
+from dflash.model.decoder import causal_layer, head_dim, supports_static
+from dflash.model.fused import StepPieces
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class StaticTarget:
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.capacity = capacity
         self.rows = torch.arange(capacity, device=weight.device)
+        self.pieces = StepPieces(weight.device)
+        self.eager = StepPieces(weight.device, compiled=False)
 
     @torch.no_grad()
     def forward(self, ids, positions, slots, mask=None, last_only: bool = False):
@@ -65,16 +68,18 @@ class StaticTarget:
         cos, sin = self.decoder.rotary_emb(x, positions)
         features = []
         q_len = ids.shape[1]
+        # a prompt (`last_only`) has a length of its own each time: compiling it would trace
+        # every length, so it runs eagerly, once a sequence
+        pieces = self.eager if last_only else self.pieces
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            q, k, v = pieces.projections(layer, x, cos, sin, self.head_dim)
             self.keys[i].index_copy_(2, slots, k)
             self.values[i].index_copy_(2, slots, v)
             out = F.scaled_dot_product_attention(
                 q, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, q_len, -1))
-            x = x + mlp(layer, layer.post_attention_layernorm(x))
+            x = pieces.mlp(layer, x, out.transpose(1, 2).reshape(1, q_len, -1))
             if i in self.layer_ids:
                 features.append(x)
         logits = self.model.lm_head(self.decoder.norm(x[:, -1:] if last_only else x))
@@ -230,6 +235,7 @@ class BatchedGreedy:
         capacity: int,
         prompt_width: int,
         attention: str = "sdpa",
+        compiled: bool | None = None,
     ):
         if not supports_static(model):
             raise ValueError(f"model type {model.config.model_type!r} has no static decoder here")
@@ -260,6 +266,7 @@ class BatchedGreedy:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.graphs = CudaGraphs(self.device)
+        self.pieces = StepPieces(self.device, compiled)
         # two page-locked buffers, so a step's tokens copy to the host while the next one runs
         pinned = self.device.type == "cuda"
         self.host_tokens = [torch.empty(batch, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
@@ -336,7 +343,7 @@ class BatchedGreedy:
             mask = (self.cache_rows[None] <= positions[:, None])[:, None, None]
         for i, layer in enumerate(self.decoder.layers):
             attn = layer.self_attn
-            q, k, v = qkv(attn, layer.input_layernorm(x), cos, sin, self.head_dim)
+            q, k, v = self.pieces.projections(layer, x, cos, sin, self.head_dim)
             self.keys[i][self.batch_rows, :, positions] = k[:, :, 0]
             self.values[i][self.batch_rows, :, positions] = v[:, :, 0]
             keys, values = self.keys[i][: self.batch], self.values[i][: self.batch]
@@ -350,6 +357,5 @@ class BatchedGreedy:
                 out = F.scaled_dot_product_attention(
                     grouped, keys, values, attn_mask=mask, scale=attn.scaling
                 )
-            x = x + attn.o_proj(out.reshape(self.batch, 1, -1))
-            x = x + mlp(layer, layer.post_attention_layernorm(x))
+            x = self.pieces.mlp(layer, x, out.reshape(self.batch, 1, -1))
         return (self.model.lm_head(self.decoder.norm(x))[:, 0].argmax(-1),)

@@ -6,12 +6,17 @@ temporary sibling folder and renamed into place, so a crash mid-write never leav
 looks complete. `meta.json` carries a resume contract (model shape, block size, gamma, anchors,
 data sha256, topology...): resuming under a different contract is refused with the keys that
 differ, rather than silently training a different run.
+
+`state.pt` holds only tensors and plain containers (numbers, strings, lists, dicts, tuples), so it
+loads with `torch.load(weights_only=True)`: a matching SHA256SUMS proves the file is the one
+written beside it, not that its writer was this code, and a full unpickle could run any code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import re
 import shutil
 import threading
@@ -30,6 +35,10 @@ SUMS = "SHA256SUMS"
 
 
 class ContractError(UserError):
+    pass
+
+
+class UnsafeCheckpointError(UserError):
     pass
 
 
@@ -135,8 +144,17 @@ def verify(folder: Path) -> str | None:
     sums = folder / SUMS
     if not sums.exists():
         return f"{SUMS} missing"
-    for line in sums.read_text().splitlines():
-        digest, name = line.split("  ", 1)
+    listed = {}
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name:
+            return f"{SUMS} line {number} is malformed"
+        listed[name] = digest
+    # a damaged (e.g. emptied) list must not vouch for files it no longer names
+    for name in ("state.pt", "meta.json"):
+        if name not in listed:
+            return f"{SUMS} does not list {name}"
+    for name, digest in listed.items():
         path = folder / name
         if not path.exists():
             return f"{name} missing"
@@ -156,7 +174,19 @@ def latest_valid(root: str | Path) -> tuple[Path, dict] | None:
 
 
 def load_state(folder: Path, map_location="cpu") -> dict:
-    return torch.load(folder / "state.pt", map_location=map_location, weights_only=False)
+    """The training state of a checkpoint, refusing anything but tensors and plain containers."""
+    path = Path(folder) / "state.pt"
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        raise UnsafeCheckpointError(
+            f"cannot resume from {path}: besides tensors it holds a pickled "
+            f"{found.group(1) if found else 'object'}, which was not loaded because unpickling "
+            "it could run arbitrary code. The trainer writes only tensors, numbers, strings, "
+            "lists and dicts there, so this file did not come from it. Move "
+            f"{folder} away to resume from the previous checkpoint (or start afresh)"
+        ) from None
 
 
 def contract_diff(saved: dict, current: dict) -> list[str]:

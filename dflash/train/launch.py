@@ -41,13 +41,17 @@ def torchrun(train: dict, world: int, python: str = sys.executable) -> list[str]
     ]
 
 
-def srun(train: dict) -> list[str]:
-    """What starts one torchrun on every node of the job: nothing on one node."""
+def srun(train: dict, cpus: int | None = None) -> list[str]:
+    """What starts one torchrun on every node of the job: nothing on one node. `cpus`: the cores
+    of a node for its torchrun and ranks (a step that names none gets one core a task)."""
     if train["nnodes"] == 1:
         return []
-    return ["srun", "--nodes", str(train["nnodes"]), "--ntasks-per-node", "1"]
+    cores = ["--cpus-per-task", str(cpus)] if cpus else []
+    return ["srun", "--nodes", str(train["nnodes"]), "--ntasks-per-node", "1", *cores]
 
 
-def command(train: dict, world: int, python: str = sys.executable) -> list[str]:
+def command(
+    train: dict, world: int, python: str = sys.executable, cpus: int | None = None
+) -> list[str]:
     """The train rule's launcher: srun (on several nodes) and torchrun."""
-    return [*srun(train), *torchrun(train, world, python)]
+    return [*srun(train, cpus), *torchrun(train, world, python)]

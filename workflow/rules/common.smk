@@ -1,6 +1,7 @@
 # Shared helpers: result paths, the exact config subset each rule depends on, and hashes of the
 # code and environment (Snakemake cannot see imported modules or pip upgrades by itself); the
 # rule files' input and param functions live here too, so that those files hold rules only.
+import importlib.util
 import json
 import re
 import shlex
@@ -12,15 +13,41 @@ from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 from snakemake.logging import logger
 
-from dflash.config import validate as dflash_validate
+from dflash.config import check_paths, expand_user, validate as dflash_validate
 from dflash.custody import damaged, pending, quarantine
 from dflash.custody import rel as custody_rel
+from dflash.errors import UserError
+from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
-from dflash.io import sha256_file, sha256_json
+from dflash.io import sha256_json
+from dflash import locks
 from dflash.manifest import code_hash, environment_hash
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
-dflash_validate(config, "workflow config")
+# A user's mistake is reported as Snakemake reports its own (the message and where, no
+# traceback), before any job: a path that does not exist, a key the schema refuses.
+try:
+    check_paths(dflash_validate(config, "workflow config"), "the workflow config")
+except UserError as e:
+    raise WorkflowError(str(e)) from None
+
+# Locks left by a run killed outright stop the next start with Snakemake's LockException,
+# whose advice (--unlock) is wrong while the other run is alive: say which it is, first.
+if workflow.is_main_process and (note := locks.explain()):
+    logger.warning(note)
+
+
+onstart:
+    locks.record_run()
+
+
+onsuccess:
+    locks.forget_run()
+
+
+onerror:
+    locks.forget_run()
+
 
 R = config["results"]
 # Reference inputs fetched or converted once (the target rule's conversion), outside the results
@@ -36,6 +63,16 @@ HAS_GPU = (
     else config["gpu_jobs"] in (True, "true")
 )
 COMPILE_CACHE = config["compile"]["cache_dir"] or f"{R}/compile-cache"
+# The user's input files enter the rule params by content (sha256), cached by path, size, times
+# and inode (dflash/filehash.py): a multi-GB target directory is hashed on the first DAG build
+# only, and then whenever a file in it changes; otherwise it costs a stat per file.
+HASHES = HashCache(expand_user(config["cache_dir"]))
+
+
+def content_hash(path):
+    digest = HASHES.sha256(expand_user(path))
+    HASHES.save()
+    return digest
 
 
 def environment_bin():
@@ -82,7 +119,7 @@ def random_init_config_hash():
     if not spec:
         return None
     path = spec["config"]
-    return sha256_file(
+    return content_hash(
         os.path.join(path, "config.json") if os.path.isdir(path) else path
     )
 
@@ -123,7 +160,8 @@ def target_input():
     """What a job reading the target depends on. Never a folder's date: Snakemake dates a
     directory by a marker file it cannot checksum, so a `touch` reran every rule that reads the
     target. The target rule's folder is read through its stage manifest, which holds the sha256
-    of every file in it; a user's folder is ancient() and identified by target_fingerprint().
+    of every file in it; a user's folder is ancient() and identified by its files' sha256 in
+    the params (target_fingerprint()).
     """
     path = config["target"]["path"]
     return ancient(path) if path else f"{TARGET_DIR}/manifest.json"
@@ -135,16 +173,30 @@ if config["target"]["path"]:
     # surface only once training starts, after regeneration.
     from dflash.model.target import resolve_mask_token
 
-    resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+    try:
+        resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+    except UserError as e:
+        raise WorkflowError(str(e)) from None
 
 
-def target_fingerprint():
-    """Identity of a user-supplied target directory without hashing gigabytes of weights."""
+def user_target_hashes():
+    """sha256 of every file of a user-supplied target directory (None for the target rule's,
+    identified by its stage manifest): new weights of the same shape rerun what reads them.
+    """
     path = config["target"]["path"]
     if not path:
         return None
-    files = sorted(os.listdir(path))
-    return {f: os.path.getsize(os.path.join(path, f)) for f in files}
+    hashes = HASHES.tree(expand_user(path))
+    HASHES.save()
+    return hashes
+
+
+TARGET_FILES = user_target_hashes()
+
+
+def target_fingerprint():
+    """The params entry of a user-supplied target: its files' sha256 (user_target_hashes)."""
+    return TARGET_FILES
 
 
 def regenerated(split):
@@ -156,7 +208,7 @@ def regenerated(split):
 def local_source_hashes():
     """sha256 of local data files, so editing one reruns expand (mtimes are not a trigger)."""
     return {
-        s["path"]: sha256_file(s["path"])
+        s["path"]: content_hash(s["path"])
         for s in config["data"]["sources"]
         if "path" in s
     }
@@ -165,7 +217,7 @@ def local_source_hashes():
 def previous_stats_hash():
     """sha256 of the stats file to compare against, so replacing it reruns the comparison."""
     path = config["data"]["previous_stats"]
-    return sha256_file(path) if path else None
+    return content_hash(path) if path else None
 
 
 # train.smk
@@ -193,7 +245,7 @@ def eval_inputs():
 def eval_set_hashes():
     """sha256 of local benchmark files, so replacing one reruns the evaluation."""
     return {
-        s["path"]: sha256_file(s["path"])
+        s["path"]: content_hash(s["path"])
         for s in config["eval"]["sets"]
         if s.get("path")
     }
@@ -259,7 +311,7 @@ def check_custody():
         manifests = sorted(Path(R, "manifests").glob("*.json"))
         if not config["target"]["path"]:
             manifests.append(Path(TARGET_DIR, "manifest.json"))
-        for path, reasons in damaged(manifests, outputs, Path(R)).items():
+        for path, reasons in damaged(manifests, outputs, Path(R), HASHES).items():
             moved = quarantine(path, Path(R))
             logger.warning(
                 f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"

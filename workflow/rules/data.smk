@@ -70,7 +70,8 @@ rule regenerate_shard:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=config_json("data.regenerate", "data.max_length"),
+        # cache_dir: the file hashes of the target (dflash/filehash.py) that resuming checks
+        config=config_json("data.regenerate", "data.max_length", "cache_dir"),
         target=TARGET,
         target_files=target_fingerprint(),
         workdir=f"{R}/work/regenerate/{{split}}",

@@ -3,8 +3,22 @@
 
 
 # cache_dir: where eval sets given as pinned wheels are fetched to.
-EVAL_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
+VLLM_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
+# eval_acceptance and eval_ddtree do not read eval.vllm: changing it reruns eval_vllm alone
+EVAL_CONFIG = json.dumps(
+    {
+        **json.loads(VLLM_CONFIG),
+        "eval": {k: v for k, v in config["eval"].items() if k != "vllm"},
+    },
+    sort_keys=True,
+)
 EVAL_CODE = code_hash("dflash.eval.run")
+# vLLM serves the drafter where it is installed on a GPU host (eval.vllm.enabled: auto), or always
+WITH_VLLM = config["eval"]["vllm"]["enabled"] is True or (
+    config["eval"]["vllm"]["enabled"] == "auto"
+    and HAS_GPU
+    and importlib.util.find_spec("vllm") is not None
+)
 
 
 rule eval_acceptance:
@@ -61,6 +75,36 @@ rule eval_ddtree:
         " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
+rule eval_vllm:
+    """vLLM's DFlash method serving the run's target and drafter on the same prompts: its own
+    acceptance length per prompt and tokens/s, beside the target alone in vLLM and our τ.
+    """
+    input:
+        **eval_inputs(),
+        acceptance=f"{R}/eval/acceptance.json",
+    output:
+        vllm=report(f"{R}/eval/vllm.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_vllm.json",
+    log:
+        f"{R}/logs/eval_vllm.log",
+    threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    params:
+        config=VLLM_CONFIG,
+        sets=eval_set_hashes(),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        target=TARGET,
+        target_files=target_fingerprint(),
+        code=code_hash("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
+        env=ENV_HASH,
+    shell:
+        "python -m dflash eval-vllm --config {params.config:q} --target {params.target}"
+        " --drafter {params.drafter} --held-out {input.held_out}"
+        " --acceptance {input.acceptance} --output {output.vllm}"
+        " --manifest {output.manifest} > {log} 2>&1"
+
+
 rule report:
     """results/summary.md plus the plots of `snakemake --report`."""
     input:
@@ -69,6 +113,7 @@ rule report:
         train_summary=f"{R}/train/summary.json",
         acceptance=f"{R}/eval/acceptance.json",
         ddtree=f"{R}/eval/ddtree.json",
+        vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
@@ -76,9 +121,11 @@ rule report:
         f"{R}/logs/report.log",
     params:
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
+        vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
         code=code_hash("dflash.eval.report"),
         env=ENV_HASH,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree} --summary {output.summary} --plots {params.plots} > {log} 2>&1"
+        " --ddtree {input.ddtree}{params.vllm} --summary {output.summary}"
+        " --plots {params.plots} > {log} 2>&1"

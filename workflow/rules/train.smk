@@ -8,6 +8,12 @@ from dflash.train import launch
 
 TOPOLOGY = config["train"]["topology"]
 WORLD = TOPOLOGY["targets"] + TOPOLOGY["drafters"]
+NODES = config["train"]["nnodes"]
+# Under SLURM (workflow/profiles/slurm), one task per node holds that node's GPUs and cores and
+# runs torchrun, which starts the ranks. On several nodes `mpi` makes the plugin run this rule's
+# shell in the batch script itself (not in its own one-task, one-node srun), so that the shell's
+# srun can start a torchrun on every node; the plugin then wants `tasks`, one per node.
+SLURM_TASKS = {"mpi": "srun", "tasks": NODES} if NODES > 1 else {}
 
 
 rule train:
@@ -26,11 +32,19 @@ rule train:
         f"{R}/logs/train.log",
     threads: workflow.cores
     resources:
+        **SLURM_TASKS,
         gpu=WORLD if HAS_GPU else 0,
+        nodes=NODES,
+        # the SLURM plugin (2.8) turns `tasks` of a GPU job into --ntasks-per-gpu: 0 keeps it out
+        tasks_per_gpu=0,
     params:
         config=config_json(*TRAINING_CONFIG),
-        # torchrun on one node; srun starting one torchrun per node on `train.nnodes`
-        launch=shlex.join(launch.command(config["train"], WORLD, python="python")),
+        # torchrun on one node; srun starting one torchrun per node on `train.nnodes`, each
+        # with the node's cores. Computed from threads, so no rerun trigger of its own
+        # (train.nnodes and the topology reach the rule through `config`)
+        launch=lambda wildcards, threads: shlex.join(
+            launch.command(config["train"], WORLD, python="python", cpus=threads)
+        ),
         # the cores of a node shared by the ranks it runs (a thread count is no rerun trigger)
         omp_threads=lambda wildcards, threads: max(
             1, threads // launch.procs_per_node(config["train"], WORLD)

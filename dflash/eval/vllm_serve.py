@@ -1,0 +1,127 @@
+"""One vLLM engine decoding the evaluation's prompts, in a process of its own (`python -m
+dflash.eval.vllm_serve REQUEST OUTPUT`), for the `eval_vllm` stage (`dflash.eval.vllm_stage`).
+
+A process per engine because vLLM does not hand its GPU memory back within a process: the target
+alone and the target with the drafter each get a fresh one. `REQUEST` (JSON) names the target,
+the drafter (absent: the target alone), the prompts (`EvalPrompt` fields), the stop tokens and
+the sizes; `OUTPUT` gets, per prompt decoded alone (batch 1, later turns after the engine's own
+answer, as the evaluation does), its tokens, wall seconds and the change of vLLM's own
+speculative-decoding counters over it; then tokens/s with the same prompts in waves of each
+concurrency.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def counters(metrics) -> dict:
+    """vLLM's speculative-decoding counters from `LLM.get_metrics()`: drafting rounds, accepted
+    draft tokens, and accepted tokens by draft position."""
+    out = {"drafts": 0, "accepted": 0, "per_position": []}
+    for m in metrics:
+        if m.name == DRAFTS:
+            out["drafts"] = int(m.value)
+        elif m.name == ACCEPTED:
+            out["accepted"] = int(m.value)
+        elif m.name == PER_POSITION:
+            out["per_position"] = [int(v) for v in m.values]
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    """The counters' change over one request."""
+    width = max(len(after["per_position"]), len(before["per_position"]))
+    a, b = (c["per_position"] + [0] * (width - len(c["per_position"])) for c in (after, before))
+    per_position = [x - y for x, y in zip(a, b, strict=True)]
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_position": per_position,
+    }
+
+
+def serve(request: dict) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from dflash.eval.sets import EvalPrompt
+    from dflash.eval.setup import encode
+
+    speculative = None
+    if request.get("drafter"):
+        speculative = {
+            "method": "dflash",
+            "model": request["drafter"],
+            "num_speculative_tokens": request["block_size"] - 1,
+        }
+    started = time.perf_counter()
+    llm = LLM(
+        model=request["target"],
+        speculative_config=speculative,
+        dtype=request["dtype"],
+        seed=0,
+        max_model_len=request["max_model_len"],
+        gpu_memory_utilization=request["gpu_memory_utilization"],
+        enable_prefix_caching=False,  # every prompt pays its own prefill, as in our evaluation
+        disable_log_stats=False,  # the speculative-decoding counters
+    )
+    startup_s = time.perf_counter() - started
+    tokenizer = AutoTokenizer.from_pretrained(request["target"])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=request["max_new_tokens"], stop_token_ids=request["eos_ids"]
+    )
+
+    def run(batch: list[list[int]]):
+        return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params,
+                            use_tqdm=False)  # fmt: skip
+
+    rows, encoded = [], []
+    pending = [EvalPrompt(**{**p, "followups": tuple(p["followups"])}) for p in request["prompts"]]
+    while pending:
+        answers = []
+        for prompt in pending:
+            ids = encode(tokenizer, prompt)
+            before = counters(llm.get_metrics())
+            t0 = time.perf_counter()
+            (out,) = run([ids])
+            seconds = time.perf_counter() - t0
+            spec = difference(counters(llm.get_metrics()), before)
+            completion = out.outputs[0]
+            rows.append({"id": prompt.id, "set": prompt.set_name, "prompt_tokens": len(ids),
+                         "tokens": list(completion.token_ids), "seconds": seconds, **spec})  # fmt: skip
+            encoded.append(ids)
+            answers.append(completion.text)
+        pending = [p.followup(a) for p, a in zip(pending, answers, strict=True) if p.followups]
+    concurrency = {}
+    for c in request["concurrency"]:
+        tokens, seconds = 0, 0.0
+        for i in range(0, len(encoded), c):
+            t0 = time.perf_counter()
+            outs = run(encoded[i : i + c])
+            seconds += time.perf_counter() - t0
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        concurrency[str(c)] = {"tokens": tokens, "seconds": round(seconds, 3),
+                               "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    import vllm
+
+    return {"vllm": vllm.__version__, "startup_s": round(startup_s, 1), "prompts": rows,
+            "concurrency": concurrency}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    request_path, output_path = argv or sys.argv[1:]
+    result = serve(json.loads(Path(request_path).read_text()))
+    Path(output_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""results/eval/vllm.json: the run's drafter in a serving engine. vLLM's DFlash method serves the
+run's target and drafter on the evaluation's prompts, and its own figures are set beside ours.
+
+Two engines, each in a process of its own (`dflash.eval.vllm_serve`): the target alone, then the
+target with the drafter (`speculative_config={"method": "dflash", ...}`). Every prompt is decoded
+alone (batch 1; a later turn after the engine's own answer to the one before, as the evaluation
+does), so vLLM's speculative-decoding counters, read before and after it, give that prompt's
+acceptance length: 1 + accepted draft tokens / drafting rounds, the τ our evaluation reports
+(tokens committed per verify round). Then tokens/s in waves of each `eval.vllm.concurrency`.
+Compared per set, macro and pooled, with `eval/acceptance.json`'s drafter on the same prompts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from dflash.errors import UserError
+from dflash.io import write_json
+
+log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def acceptance_length(rows: list[dict]) -> float | None:
+    """Pooled over `rows`: 1 + accepted draft tokens / drafting rounds."""
+    drafts = sum(r["drafts"] for r in rows)
+    return round(1 + sum(r["accepted"] for r in rows) / drafts, 4) if drafts else None
+
+
+def _macro(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 4) if values else None
+
+
+def _pct(ours: float | None, theirs: float | None) -> float | None:
+    return round(100 * (theirs - ours) / ours, 2) if ours and theirs is not None else None
+
+
+def compare(served: dict, target_alone: dict, acceptance: dict) -> dict:
+    """vLLM's figures beside the evaluation's (`acceptance.json`) on the same prompts."""
+    rows = served["prompts"]
+    ours = acceptance["per_prompt"]
+    ours_tau = dict(zip(ours["ids"], ours["methods"]["drafter"]["tau"], strict=True))
+    missing = [r["id"] for r in rows if r["id"] not in ours_tau]
+    if missing:
+        raise UserError(
+            f"eval_vllm: prompts {missing[:5]} are not in eval/acceptance.json's per_prompt; the "
+            "two stages read different eval sets (rerun eval_acceptance)"
+        )
+    per_prompt = [acceptance_length([r]) for r in rows]
+    sets = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        idx = [i for i, r in enumerate(rows) if r["set"] == name]
+        mine = acceptance["sets"].get(name, {})
+        entry = {
+            "prompts": len(idx),
+            "vllm_macro": _macro(per_prompt[i] for i in idx),
+            "vllm_pooled": acceptance_length([rows[i] for i in idx]),
+            "ours_macro": mine.get("tau_macro"),
+            "ours_pooled": mine.get("tau_pooled"),
+        }
+        entry["diff_pct_macro"] = _pct(entry["ours_macro"], entry["vllm_macro"])
+        entry["diff_pct_pooled"] = _pct(entry["ours_pooled"], entry["vllm_pooled"])
+        sets[name] = entry
+    alone = {r["id"]: r["tokens"] for r in target_alone["prompts"]}
+    drafts = sum(r["drafts"] for r in rows)
+    positions = [sum(col) for col in zip(*(r["per_position"] for r in rows), strict=False)]
+    speed = {"1": _speed(rows, target_alone["prompts"])}
+    for c, fig in served["concurrency"].items():
+        base = target_alone["concurrency"][c]["tokens_per_s"]
+        speed[c] = {"target": base, "dflash": fig["tokens_per_s"],
+                    "speedup": round(fig["tokens_per_s"] / base, 3)}  # fmt: skip
+    return {
+        "vllm": served["vllm"],
+        "n_prompts": len(rows),
+        "acceptance_length": {
+            "vllm_macro": _macro(per_prompt),
+            "vllm_pooled": acceptance_length(rows),
+            "ours_macro": acceptance["tau_macro"],
+            "ours_pooled": acceptance["tau_pooled"],
+            "diff_pct_macro": _pct(acceptance["tau_macro"], _macro(per_prompt)),
+            "diff_pct_pooled": _pct(acceptance["tau_pooled"], acceptance_length(rows)),
+        },
+        "sets": sets,
+        "per_position": [round(n / drafts, 4) for n in positions] if drafts else [],
+        "identical_to_target_alone": round(
+            statistics.fmean(r["tokens"] == alone.get(r["id"]) for r in rows), 4
+        ),
+        "tokens_per_s": speed,
+        "startup_s": {"target": target_alone["startup_s"], "dflash": served["startup_s"]},
+        "per_prompt": {
+            "ids": [r["id"] for r in rows],
+            "sets": [r["set"] for r in rows],
+            "vllm": per_prompt,
+            "ours": [ours_tau[r["id"]] for r in rows],
+            "tokens": [len(r["tokens"]) for r in rows],
+        },
+    }
+
+
+def _speed(rows: list[dict], alone: list[dict]) -> dict:
+    """Batch 1: new tokens over each request's wall time (its prefill included, unlike our
+    evaluation's clock, which starts after the prompt's forward)."""
+
+    def rate(rs):
+        return round(sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs), 1)
+
+    target, dflash = rate(alone), rate(rows)
+    return {"target": target, "dflash": dflash, "speedup": round(dflash / target, 3)}
+
+
+def _serve(request: dict, folder: Path, name: str) -> dict:
+    """One engine in a process of its own; its log goes to the stage's log (stderr)."""
+    request_path, output_path = folder / f"{name}.request.json", folder / f"{name}.json"
+    request_path.write_text(json.dumps(request))
+    cmd = [sys.executable, "-m", "dflash.eval.vllm_serve", str(request_path), str(output_path)]
+    log.info("vLLM, %s: %s", name, " ".join(cmd))
+    done = subprocess.run(cmd, env=os.environ.copy(), check=False)
+    if done.returncode != 0:
+        raise UserError(
+            f"eval_vllm: the vLLM engine for the {name} exited with status {done.returncode}; "
+            "its output is in this stage's log above"
+        )
+    return json.loads(output_path.read_text())
+
+
+def run(args) -> None:
+    from transformers import AutoTokenizer
+
+    from dflash.eval.setup import eos_ids, eval_prompts
+
+    config = args.config
+    settings = config["eval"]["vllm"]
+    if not vllm_installed():
+        raise UserError(
+            "eval_vllm: vLLM is not installed here (`import vllm` fails). Install it (docs/"
+            "serving.md says which version serves DFlash drafters) or set eval.vllm.enabled: false"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = eval_prompts(config, args.held_out)
+    drafter_config = json.loads((Path(args.drafter) / "config.json").read_text())
+    request = {
+        "target": str(args.target),
+        "drafter": str(args.drafter),
+        "block_size": drafter_config["block_size"],
+        "dtype": "float32" if config["eval"]["dtype"] == "float32" else "bfloat16",
+        "max_new_tokens": config["eval"]["max_new_tokens"],
+        "eos_ids": sorted(eos_ids(args.target, tokenizer)),
+        "prompts": [asdict(p) for p in prompts],
+        "concurrency": settings["concurrency"],
+        "max_model_len": settings["max_model_len"],
+        "gpu_memory_utilization": settings["gpu_memory_utilization"],
+    }
+    with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
+        alone = _serve({**request, "drafter": None}, Path(tmp), "target alone")
+        served = _serve(request, Path(tmp), "target with the drafter")
+    record = compare(served, alone, json.loads(Path(args.acceptance).read_text()))
+    record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
+    write_json(args.output, record)
+    if args.manifest:
+        from dflash.manifest import write_manifest
+
+        inputs = {"drafter": args.drafter, "held_out": args.held_out, "acceptance": args.acceptance}
+        write_manifest(args.manifest, args.command, inputs, {"output": args.output},
+                       params=config, code=(__name__, "dflash.eval.vllm_serve"))  # fmt: skip
+    a = record["acceptance_length"]
+    log.info("vLLM %s: acceptance length %s macro (ours %s, %+.1f %%), %s pooled (ours %s); "
+             "batch 1 %sx the target alone", record["vllm"], a["vllm_macro"], a["ours_macro"],
+             a["diff_pct_macro"] or 0.0, a["vllm_pooled"], a["ours_pooled"],
+             record["tokens_per_s"]["1"]["speedup"])  # fmt: skip
+
+
+def summary_section(record: dict) -> str:
+    """The paragraph and table `results/summary.md` gives vLLM's figures."""
+    a, speed = record["acceptance_length"], record["tokens_per_s"]
+
+    def pct(x):
+        return "–" if x is None else f"{x:+.1f} %"
+
+    lines = [
+        f"**Served by vLLM {record['vllm']}** (`eval/vllm.json`; its DFlash method, each prompt "
+        "alone, acceptance length from vLLM's own counters): "
+        f"{a['vllm_macro']} macro / {a['vllm_pooled']} pooled against this evaluation's τ "
+        f"{a['ours_macro']:.3f} / {a['ours_pooled']:.3f} ({pct(a['diff_pct_macro'])} / "
+        f"{pct(a['diff_pct_pooled'])}); outputs identical to vLLM's target alone on "
+        f"{100 * record['identical_to_target_alone']:.0f} % of prompts; tokens/s over vLLM's "
+        "target alone: "
+        + ", ".join(
+            f"{'batch 1' if c == '1' else f'concurrency {c}'} {s['speedup']:.2f}x "
+            f"({s['dflash']:.0f} against {s['target']:.0f})"
+            for c, s in speed.items()
+        )
+        + ".",
+        "",
+        "| eval set | prompts | vLLM macro | ours | diff | vLLM pooled | ours | diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in record["sets"].items():
+        lines.append(
+            f"| {name} | {s['prompts']} | {s['vllm_macro']} | {s['ours_macro']} | "
+            f"{pct(s['diff_pct_macro'])} | {s['vllm_pooled']} | {s['ours_pooled']} | "
+            f"{pct(s['diff_pct_pooled'])} |"
+        )
+    return "\n".join(lines) + "\n"

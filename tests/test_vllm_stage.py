@@ -1,0 +1,100 @@
+"""The eval_vllm stage around vLLM: its counters read per prompt, set beside a real run's
+evaluation, and the stage planned and refused as a user meets it. vLLM itself needs a GPU; it
+ran on the H200 (BENCHMARKS.md), not here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from conftest import Workflow
+
+from dflash.errors import UserError
+from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters, difference
+from dflash.eval.vllm_stage import compare, summary_section
+
+
+def test_counters_differenced_over_a_request():
+    def snapshot(drafts, accepted, per_position):
+        return counters(
+            [
+                SimpleNamespace(name="vllm:num_requests_running", value=1),
+                SimpleNamespace(name=DRAFTS, value=drafts),
+                SimpleNamespace(name=ACCEPTED, value=accepted),
+                SimpleNamespace(name=PER_POSITION, values=per_position),
+            ]
+        )
+
+    before = snapshot(10, 14, [8, 4, 2])
+    after = snapshot(15, 25, [12, 7, 4, 2])
+    assert difference(after, before) == {"drafts": 5, "accepted": 11, "per_position": [4, 3, 2, 2]}
+
+
+def served_like(acceptance: dict, scale: dict[str, float]) -> tuple[dict, dict]:
+    """vLLM worker outputs for the run's own prompts whose per-prompt acceptance lengths are the
+    evaluation's τ times `scale[set]`; the target alone decodes the same tokens."""
+    ours = acceptance["per_prompt"]
+    rows = []
+    for pid, name, tau, n in zip(
+        ours["ids"], ours["sets"], ours["methods"]["drafter"]["tau"],
+        ours["methods"]["drafter"]["tokens"], strict=True,
+    ):  # fmt: skip
+        drafts = 100  # acceptance length 1 + accepted / drafts
+        accepted = round((tau * scale.get(name, 1.0) - 1) * drafts)
+        rows.append({"id": pid, "set": name, "tokens": list(range(n)), "seconds": 0.5,
+                     "drafts": drafts, "accepted": accepted, "per_position": [drafts, accepted - drafts]})  # fmt: skip
+    alone = [{**r, "seconds": 1.0} for r in rows]
+    speed = {"8": {"tokens_per_s": 300.0}, "32": {"tokens_per_s": 900.0}}
+    served = {"vllm": "0.24.0", "startup_s": 40.0, "prompts": rows, "concurrency": speed}
+    base = {"8": {"tokens_per_s": 200.0}, "32": {"tokens_per_s": 1000.0}}
+    return served, {"vllm": "0.24.0", "startup_s": 30.0, "prompts": alone, "concurrency": base}
+
+
+def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_workflow):
+    acceptance = json.loads((second_workflow.results / "eval/acceptance.json").read_text())
+    sets = list(dict.fromkeys(acceptance["per_prompt"]["sets"]))
+    served, alone = served_like(acceptance, {sets[-1]: 1.1})
+    record = compare(served, alone, acceptance)
+
+    assert record["per_prompt"]["ids"] == acceptance["per_prompt"]["ids"]
+    for i, tau in enumerate(acceptance["per_prompt"]["methods"]["drafter"]["tau"]):
+        scale = 1.1 if record["per_prompt"]["sets"][i] == sets[-1] else 1.0
+        assert record["per_prompt"]["vllm"][i] == pytest.approx(tau * scale, abs=0.006)
+    last = record["sets"][sets[-1]]
+    assert last["diff_pct_macro"] == pytest.approx(10.0, abs=0.5)
+    for name in sets[:-1]:
+        assert record["sets"][name]["diff_pct_macro"] == pytest.approx(0.0, abs=0.5)
+    assert record["identical_to_target_alone"] == 1.0
+    assert record["tokens_per_s"]["1"]["speedup"] == pytest.approx(2.0)
+    assert record["tokens_per_s"]["8"]["speedup"] == pytest.approx(1.5)
+    assert record["tokens_per_s"]["32"]["speedup"] == pytest.approx(0.9)
+    text = summary_section(record)
+    assert f"| {sets[-1]} |" in text and "concurrency 32 0.90x" in text
+
+    served["prompts"][0]["id"] = "not-a-prompt-of-this-run"
+    with pytest.raises(UserError, match="not-a-prompt-of-this-run"):
+        compare(served, alone, acceptance)
+
+
+def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(
+    second_workflow, tmp_path
+):
+    """Enabling vLLM reruns eval_vllm and what reads it, not the evaluation it is compared with;
+    where vLLM is not installed the stage stops with one clear message."""
+    workdir = tmp_path / "work"
+    shutil.copytree(second_workflow.workdir, workdir, symlinks=True)  # mtimes kept
+    flow = Workflow(second_workflow.repo, workdir)
+    config = yaml.safe_load((workdir / "tiny.yaml").read_text())
+    config["eval"]["vllm"] = {"enabled": True}
+    (workdir / "vllm.yaml").write_text(yaml.safe_dump(config))
+    assert flow.planned_jobs("all", config="vllm.yaml") == {
+        "eval_vllm": 1, "report": 1, "record": 1, "all": 1,
+    }  # fmt: skip
+    done = flow.run("eval_vllm", config="vllm.yaml", check=False)
+    assert done.returncode != 0
+    log = (workdir / "results/logs/eval_vllm.log").read_text()
+    assert "vLLM is not installed here" in log and "eval.vllm.enabled: false" in log
+    assert "Traceback" not in log
