@@ -76,7 +76,7 @@ JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def param_json(value):
-    """JSON for a rule param. Snakemake reads "{name}" in a param as a wildcard: braces inside
+    """JSON for a param. Snakemake reads "{name}" in a param as a wildcard, so braces inside
     JSON strings (a source's template, "{question}") are written as \u007b / \u007d, which
     JSON reads back as braces."""
     return JSON_STRING.sub(
