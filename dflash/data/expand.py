@@ -14,7 +14,8 @@ from pathlib import Path
 import polars as pl
 
 from dflash.config import expand_user
-from dflash.data.normalize import BadRow, clean, conversation_id, to_turns
+from dflash.data import domains
+from dflash.data.normalize import BadRow, clean, conversation_id, from_template, to_turns
 from dflash.data.sources import DataError, SourceInfo, read_source
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
@@ -35,12 +36,13 @@ log = logging.getLogger(__name__)
 CONVERSATION = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 
 
-def _row_problem(row, max_turns):
+def _row_problem(row, max_turns, template=None):
     """(turns, repairs, None) for a usable row, (None, [], BadRow) otherwise."""
     if row.record is None:
         return None, [], BadRow(row.problem, row.detail)
     try:
-        return *clean(to_turns(row.record), max_turns), None
+        record = from_template(row.record, template) if template else row.record
+        return *clean(to_turns(record), max_turns), None
     except BadRow as bad:
         return None, [], bad
 
@@ -65,11 +67,12 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
         repaired: Counter[str] = Counter()
         repair_examples: dict[str, list[str]] = {}
         read = assistant_turns = 0
+        by_domain: Counter[str] = Counter()
         for raw in read_source(spec, cache_dir, info):
             if spec.get("max_rows") is not None and read >= spec["max_rows"]:
                 break
             read += 1
-            turns, repairs, bad = _row_problem(raw, data_cfg["max_turns"])
+            turns, repairs, bad = _row_problem(raw, data_cfg["max_turns"], spec.get("template"))
             if bad is None and max_chars is not None:
                 chars = sum(len(t["content"]) for t in turns)
                 if chars > max_chars:
@@ -89,7 +92,11 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
                 _note(repaired, repair_examples, fix, raw.where)
             seen.add(row_id)
             assistant_turns += sum(t["role"] == "assistant" for t in turns)
-            rows.append({"id": row_id, "source": spec["name"], "conversations": turns})
+            domain = domains.label(spec.get("domain", domains.AUTO), turns)
+            by_domain[domain] += 1
+            rows.append(
+                {"id": row_id, "source": spec["name"], "domain": domain, "conversations": turns}
+            )
         if info.truncated_tail_at is not None:
             dropped["truncated_tail"] += 1
             examples["truncated_tail"] = [
@@ -102,6 +109,8 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
             "rows_read": read,
             "rows_kept": kept,
             "assistant_turns_kept": assistant_turns,
+            # kept rows by domain (the source's label, or dflash.data.domains.classify's)
+            "domains": dict(sorted(by_domain.items())),
             "dropped": dict(sorted(dropped.items())),
             "examples": dict(sorted(examples.items())),
             # rows kept after a repair, by kind (a row can have several)
@@ -147,9 +156,8 @@ def split(rows: list[dict], seed: int, eval_rows: int, train_rows: int | None):
 
 
 def write_rows(rows: list[dict], path: Path) -> None:
-    frame = pl.DataFrame(
-        rows, schema={"id": pl.String, "source": pl.String, "conversations": CONVERSATION}
-    )
+    schema = {"id": pl.String, "source": pl.String, "domain": pl.String}
+    frame = pl.DataFrame(rows, schema={**schema, "conversations": CONVERSATION})
     frame.write_parquet(path, statistics=False)
 
 
@@ -163,9 +171,11 @@ def run(args) -> None:
     if not data_cfg.get("sources"):
         raise DataError("expand: data.sources is empty; list at least one source")
     rows, sources = collect(data_cfg, expand_user(config["cache_dir"]))
-    train, held_out, overlap = split(
-        rows, config["seed"], data_cfg["eval_rows"], data_cfg["train_rows"]
-    )
+    train, held_out, overlap = split(rows, config["seed"], data_cfg["eval_rows"], None)
+    # the mixture: each domain's training rows capped, then the total (both after the shuffle)
+    train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
+    if data_cfg["train_rows"] is not None:
+        train = train[: data_cfg["train_rows"]]
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
     dropped, repaired = Counter(), Counter()
@@ -180,6 +190,13 @@ def run(args) -> None:
         "repaired_total": dict(sorted(repaired.items())),
         "train_rows": len(train),
         "eval_rows": len(held_out),
+        # rows per domain: kept (unique), in training, held out, left out by data.domain_rows
+        "domains": {
+            "rows": domains.counts(rows),
+            "train": domains.counts(train),
+            "eval": domains.counts(held_out),
+            "capped": capped,
+        },
         # rows opening with a held-out prompt: kept out of training (see `split`)
         "held_out_prompt_overlap": overlap,
         "not_selected": len(rows) - len(train) - len(held_out) - overlap,

@@ -90,6 +90,25 @@ def to_turns(record: dict) -> list[dict]:
     )
 
 
+class _Fields(dict):
+    def __missing__(self, key):
+        raise BadRow("missing_key", f"template field {{{key}}}: the row has no '{key}'")
+
+
+def from_template(record: dict, template: dict) -> dict:
+    """An OpenAI-shaped row from a prompt set's fields: `template` maps `user` (and optionally
+    `system`, `assistant`) to text with `{field}` placeholders, e.g. `{user: "{question}"}`.
+    Without `assistant` the reply is a placeholder: regeneration writes the target's own."""
+    fields = _Fields({k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()})
+    messages = [
+        {"role": role, "content": template[role].format_map(fields)}
+        for role in ("system", "user")
+        if role in template
+    ]
+    reply = template["assistant"].format_map(fields) if "assistant" in template else "…"
+    return {"messages": [*messages, {"role": "assistant", "content": reply}]}
+
+
 def repair(turns: list[dict]) -> tuple[list[dict], list[str]]:
     """Fix what can be fixed without guessing, and name each fix.
 

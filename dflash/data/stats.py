@@ -3,7 +3,8 @@
 The bucket table is the one batching uses: a row goes to the first bucket whose upper bound holds
 it, a bucket's batch size is `min(max_batch_size, token_budget // upper)`, so the number of batches
 per epoch and the share of batches in the longest bucket follow directly (long buckets cost the
-most per token; a dataset whose longest-bucket share grows gets slower per token).
+most per token; a dataset whose longest-bucket share grows gets slower per token). With the
+expanded rows beside them, the same summaries are given per domain (code, math, chat, ...).
 """
 
 from __future__ import annotations
@@ -78,6 +79,33 @@ def length_stats(frame: pl.DataFrame, buckets, max_length, token_budget, max_bat
     }
 
 
+def domain_stats(frame: pl.DataFrame) -> dict:
+    """Rows, tokens and length summaries of each domain (the `domain` column), and each domain's
+    share of the trainable tokens: what the mixture is once tokenized, not only in rows."""
+    total = max(1, int(frame["trainable"].sum()))
+    out = {}
+    for (domain,), part in sorted(frame.group_by("domain"), key=lambda g: str(g[0][0])):
+        out[str(domain)] = {
+            "rows": part.height,
+            "tokens": int(part["length"].sum()),
+            "trainable_tokens": int(part["trainable"].sum()),
+            "trainable_share": round(int(part["trainable"].sum()) / total, 4),
+            "length": _summary(part["length"]),
+            "trainable": _summary(part["trainable"]),
+        }
+    return out
+
+
+def with_domains(frame: pl.DataFrame, expanded: Path) -> pl.DataFrame:
+    """The tokenized rows labelled with the expand stage's domain, joined by row id (a row
+    expanded before domains existed, or without its id there, is `unknown`)."""
+    labels = pl.read_parquet(expanded)
+    if "domain" not in labels.columns:
+        labels = labels.select("id").with_columns(pl.lit("unknown").alias("domain"))
+    joined = frame.join(labels.select("id", "domain"), on="id", how="left")
+    return joined.with_columns(pl.col("domain").fill_null("unknown"))
+
+
 DRIFT_KEYS = {
     "rows": ("rows",),
     "mean length": ("length", "mean"),
@@ -130,7 +158,7 @@ def plot(stats: dict, lengths: pl.Series, path: Path) -> None:
 
 def run(args) -> None:
     data_cfg = args.config["data"]
-    frame = pl.read_parquet(args.input, columns=["length", "trainable"])
+    frame = pl.read_parquet(args.input, columns=["id", "length", "trainable"])
     stats = length_stats(
         frame,
         data_cfg["buckets"],
@@ -138,6 +166,16 @@ def run(args) -> None:
         data_cfg["token_budget"],
         data_cfg["max_batch_size"],
     )
+    if args.domains:
+        stats["domains"] = domain_stats(with_domains(frame, args.domains))
+        for name, d in stats["domains"].items():
+            log.info(
+                "stats: %s %d rows, mean length %.1f, %.1f %% of trainable tokens",
+                name,
+                d["rows"],
+                d["length"]["mean"],
+                100 * d["trainable_share"],
+            )
     previous = args.previous or data_cfg["previous_stats"]
     if previous:
         stats["drift"] = drift(read_json(previous), stats)
@@ -157,6 +195,8 @@ def run(args) -> None:
             k: data_cfg[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
         }
         inputs = {"input": args.input, **({"previous": previous} if previous else {})}
+        if args.domains:
+            inputs["domains"] = args.domains
         write_manifest(
             args.manifest,
             "stats",

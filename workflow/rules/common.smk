@@ -110,7 +110,20 @@ def config_json(*paths):
             src = src[key]
             dst = dst.setdefault(key, {})
         dst[keys[-1]] = src[keys[-1]]
-    return json.dumps(subset, sort_keys=True)
+    return param_json(subset)
+
+
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def param_json(value):
+    """JSON for a param. Snakemake reads "{name}" in a param as a wildcard, so braces inside
+    JSON strings (a source's template, "{question}") are written as \u007b / \u007d, which
+    JSON reads back as braces."""
+    return JSON_STRING.sub(
+        lambda m: m.group(0).replace("{", "\\u007b").replace("}", "\\u007d"),
+        json.dumps(value, sort_keys=True),
+    )
 
 
 def random_init_config_hash():

@@ -38,6 +38,7 @@ rule expand_dataset:
             "data.on_bad_row",
             "data.max_turns",
             "data.max_chars",
+            "data.domain_rows",
             "data.train_rows",
             "data.eval_rows",
         ),

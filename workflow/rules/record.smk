@@ -24,7 +24,7 @@ rule record:
         # relative to the working directory: moving the checkout (the working directory inside
         # it) reruns nothing; what the workflow files hold is params.code
         workflow_dir=os.path.relpath(workflow.basedir),
-        config=json.dumps(config, sort_keys=True),
+        config=param_json(config),
         code=source_files(Path(workflow.basedir)),
         git=git_state(PACKAGE_ROOT.parent),
         env=ENV_HASH,

@@ -2,9 +2,11 @@
 
 
 rule length_stats:
-    """Count, mean, percentiles, histogram, bucket table, drift against a previous run."""
+    """Count, mean, percentiles, histogram, bucket table, drift against a previous run; the
+    summaries per domain of the expanded rows."""
     input:
         rows=f"{R}/data/tokenized/train.parquet",
+        domains=f"{R}/data/expanded/train.parquet",
     output:
         json=f"{R}/data/stats/stats.json",
         plot=report(
@@ -26,4 +28,5 @@ rule length_stats:
         env=ENV_HASH,
     shell:
         "python -m dflash stats --config {params.config:q} --input {input.rows}"
-        " --json {output.json} --plot {output.plot} --manifest {output.manifest} > {log} 2>&1"
+        " --domains {input.domains} --json {output.json} --plot {output.plot}"
+        " --manifest {output.manifest} > {log} 2>&1"
