@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_decoding(sub, "eval-vllm", "the drafter served by vLLM's DFlash method, beside eval")
     p.add_argument("--acceptance", type=Path, required=True, help="eval's acceptance.json")
     p.add_argument("--output", type=Path, required=True, help="vllm.json to write")
-    p.set_defaults(stage="dflash.eval.vllm_stage:run")
+    p.set_defaults(
+        stage="dflash.eval.vllm_stage:run", reads=("target", "drafter", "held_out", "acceptance")
+    )
 
     p = _add(
         sub,
