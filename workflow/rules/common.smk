@@ -11,9 +11,11 @@ from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 
 from dflash.config import validate as dflash_validate
+from dflash.errors import UserError
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_file, sha256_json
 from dflash.manifest import code_hash, environment_hash
+from dflash.model.start import init_identity, init_path, read_config
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
 dflash_validate(config, "workflow config")
@@ -132,6 +134,29 @@ if config["target"]["path"]:
     from dflash.model.target import resolve_mask_token
 
     resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
+
+
+# An exported drafter to start from (drafter.init: <path>), checked before any job runs: that it
+# is one, that it is not the drafter this run writes (training would rewrite its own start, and
+# its new hash would rerun training forever), and, for a user's target, that it fits the run.
+INIT = init_path(config["drafter"]["init"])
+if INIT is not None:
+    if os.path.realpath(INIT) == os.path.realpath(DRAFTER):
+        raise UserError(
+            f"drafter.init: {INIT} is the drafter this run writes, rewritten by every training:"
+            f" copy it out of {R}/ first (cp -r {DRAFTER} drafters/previous) and start from the copy"
+        )
+    read_config(INIT)
+    if config["target"]["path"]:
+        from dflash.train.features import drafter_config
+
+        drafter_config(config, config["target"]["path"])
+
+
+def init_identity_param():
+    """sha256 of the init drafter's files: replacing them reruns training, and only training.
+    Hashed at every start (a second or two for an 8B target's drafter, 2 GB)."""
+    return init_identity(config["drafter"]["init"]) if INIT else None
 
 
 def target_fingerprint():
