@@ -100,6 +100,14 @@ def second_workflow(tiny_workflow, tmp_path_factory) -> Workflow:
 
 
 @pytest.fixture(scope="session")
+def trained_drafter(tiny_workflow) -> Path:
+    """The tiny run's trained drafter, `results/drafter` (`train` does nothing when a test has
+    already run it)."""
+    tiny_workflow.run("train")
+    return tiny_workflow.results / "drafter"
+
+
+@pytest.fixture(scope="session")
 def target_dir(tiny_workflow) -> Path:
     return tiny_workflow.target / "hf"
 

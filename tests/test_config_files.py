@@ -74,3 +74,19 @@ def test_trust_remote_code_is_refused_naming_the_key(tmp_path):
     config.write_text(yaml.safe_dump({"target": {"path": "t", "trust_remote_code": True}}))
     with pytest.raises(ConfigError, match=r"target: .*'trust_remote_code' was unexpected"):
         load_config(config)
+
+
+@pytest.mark.parametrize("init", ["random", "target_top", "drafters/run-1", "/abs/drafter"])
+def test_drafter_init_takes_random_target_top_or_an_exported_drafters_path(init):
+    from dflash.config import validate
+
+    assert validate({"drafter": {"init": init}})["drafter"]["init"] == init
+    assert validate({})["drafter"]["init"] == "random"
+
+
+@pytest.mark.parametrize("init", ["", 3, None])
+def test_drafter_init_refuses_what_is_no_name_and_no_path(init):
+    from dflash.config import validate
+
+    with pytest.raises(ConfigError, match=r"drafter\.init: "):
+        validate({"drafter": {"init": init}})

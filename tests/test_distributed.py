@@ -605,3 +605,62 @@ def test_a_hand_edited_contract_is_refused(runs, data, target_dir, tmp_path):
     err = run.communicate(timeout=300)[1]
     assert run.returncode != 0, err[-3000:]
     assert "seed: checkpoint 7 != now 0" in err and "move the checkpoint folder away" in err
+
+
+def test_a_run_from_an_exported_drafter_starts_from_its_weights(
+    trained_drafter, data, target_dir, tmp_path
+):
+    """drafter.init: <folder>, here the tiny workflow's trained drafter copied out of results/:
+    before its first step the drafter rank holds the export's weights (bf16, in fp32 master
+    weights), not random ones, and the sha256 of the export's files is in the run's contract."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash.config import validate
+    from dflash.train import comm
+    from dflash.train.batches import Batches
+    from dflash.train.trainer import Trainer
+
+    init = tmp_path / "run-1"
+    shutil.copytree(trained_drafter, init)
+    cfg = config(0, 1)
+    cfg["drafter"]["init"] = str(init)
+    cfg = validate(cfg)
+    ctx = comm.init(Topology(0, 1), "cpu", 20, 20)
+    trainer = Trainer(ctx, cfg, target_dir, Batches(cfg, data), tmp_path / "ckpt")
+    exported = load_file(init / "model.safetensors")
+    state = trainer.drafter.state_dict()
+    assert state.keys() == exported.keys()
+    assert [k for k in state if not torch.equal(state[k], exported[k].float())] == []
+    files = ("config.json", "model.safetensors")
+    assert trainer.contract["init"] == {name: sha256_file(init / name) for name in files}
+
+
+def test_an_exported_drafter_that_does_not_fit_is_refused_before_training(
+    trained_drafter, data, target_dir, tmp_path
+):
+    """One error line naming the folder and each differing key with both values; no traceback,
+    no checkpoint, no drafter."""
+    import shutil
+
+    init = tmp_path / "other"
+    shutil.copytree(trained_drafter, init)
+    hf = json.loads((init / "config.json").read_text())
+    hf["block_size"], hf["hidden_size"] = 16, 64
+    hf["dflash_config"]["target_layer_ids"] = [2, 20]
+    (init / "config.json").write_text(json.dumps(hf))
+    cfg = config(0, 1)
+    cfg["drafter"]["init"] = str(init)
+    run = launch(cfg, data, target_dir, tmp_path, torchrun=False)
+    err = run.communicate(timeout=300)[1]
+    assert run.returncode != 0
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    prefix = "dflash train: error: rank 0 (drafter 0): drafter.init:"
+    assert line.startswith(f"{prefix} {init} does not fit this run: ")
+    assert "block_size: init 16, run 8 (drafter.block_size)" in line, line
+    assert "target_layer_ids: init [2, 20], run [15] (drafter.target_layer_ids)" in line, line
+    assert "hidden_size: init 64, run 576 (the target)" in line, line
+    assert "Traceback" not in err
+    assert not (tmp_path / "drafter").exists() and not list(tmp_path.glob("ckpt/run-*"))

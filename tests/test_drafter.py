@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dflash.model.drafter import Drafter, DrafterCache, DrafterConfig, load_drafter, save_drafter
+from dflash.model.drafter import (
+    WEIGHTS,
+    Drafter,
+    DrafterCache,
+    DrafterConfig,
+    load_drafter,
+    save_drafter,
+)
 from dflash.model.lm_loss import chunked_lm_loss
 from dflash.model.objective import (
     Blocks,
@@ -627,3 +634,49 @@ def test_block_metrics_stay_on_the_device_and_equal_the_indexed_definition():
     assert math.isnan(host_metrics({**m, "loss": torch.tensor(float("inf"))})["loss"])
     none = block_metrics(correct, Blocks(**{**blocks.__dict__, "valid": torch.zeros_like(valid)}))
     assert math.isnan(float(none["tau"])) and all(math.isnan(a) for a in none["acc"].tolist())
+
+
+def test_an_exported_drafter_that_differs_from_the_run_is_refused_naming_each_key(tmp_path):
+    """drafter.init: <folder> must equal the run's drafter: each differing key is named with both
+    values and where the run sets it; the keys that agree are not named."""
+    from dflash.errors import UserError
+    from dflash.model import start
+
+    assert start.WEIGHTS == WEIGHTS
+    run = tiny_config()
+    save_drafter(Drafter(run), tmp_path / "same")
+    start.check_fits(tmp_path / "same", run)  # fits: no error
+    other = tiny_config(block_size=8, target_layer_ids=[1, 5], hidden_size=48, mask_token_id=4)
+    save_drafter(Drafter(other), tmp_path / "other")
+    with pytest.raises(UserError) as refused:
+        start.check_fits(tmp_path / "other", run)
+    message = str(refused.value)
+    assert message.startswith(f"drafter.init: {tmp_path / 'other'} does not fit this run: ")
+    assert "block_size: init 8, run 4 (drafter.block_size)" in message
+    assert "target_layer_ids: init [1, 5], run [1, 3, 5] (drafter.target_layer_ids)" in message
+    assert "mask_token_id: init 4, run 3 (target.mask_token_id)" in message
+    assert "hidden_size: init 48, run 32 (the target)" in message
+    assert message.count(" run ") == 4  # heads, layers, vocabulary ... agree: not named
+    (tmp_path / "same" / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(UserError, match="config.json is no DFlash drafter config"):
+        start.check_fits(tmp_path / "same", run)
+    (tmp_path / "other" / WEIGHTS).unlink()
+    with pytest.raises(UserError, match="is not an exported drafter: it has no model.safetensors"):
+        start.check_fits(tmp_path / "other", run)
+    with pytest.raises(UserError, match="no such directory"):
+        start.check_fits(tmp_path / "missing", run)
+
+
+def test_an_exported_drafter_loads_into_the_run_in_fp32_weight_for_weight(tmp_path):
+    from dflash.model.start import initialise
+
+    saved = Drafter(tiny_config())
+    save_drafter(saved, tmp_path / "d")  # bf16, as the train rule exports it
+    model = Drafter(tiny_config())
+    assert (
+        initialise(model, str(tmp_path / "d"), tmp_path)
+        == f"drafter.init: weights of {tmp_path / 'd'}"
+    )
+    exported = load_file(tmp_path / "d" / WEIGHTS)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, exported[k].float()), k

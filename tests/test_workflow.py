@@ -132,6 +132,20 @@ def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow,
     config["target"]["mask_token_id"] = 3
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
     assert "train" in flow.planned_jobs("train", config="local-target.yaml")
+    # a drafter to start from that was made for another target is refused as early
+    from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
+
+    other = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=49152, block_size=8,
+        num_target_layers=30, target_layer_ids=[15], mask_token_id=3,
+    )  # fmt: skip
+    save_drafter(Drafter(other), flow.workdir / "drafters" / "other-target")
+    config["drafter"]["init"] = "drafters/other-target"
+    (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
+    done = flow.run("-n", "train", config="local-target.yaml", check=False)
+    assert done.returncode != 0
+    assert "hidden_size: init 32, run 576 (the target)" in done.stderr + done.stdout
 
 
 def test_the_own_model_example_plans_the_whole_run_once_it_names_a_real_model(
@@ -316,6 +330,48 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     changed["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(changed))
     assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}
+
+
+def test_a_drafter_to_start_from_reruns_training_alone_and_its_files_are_its_identity(
+    tiny_workflow, trained_drafter
+):
+    """drafter.init at a copy of the run's drafter (outside results/): training reruns, nothing
+    before it (no data stage, no compile warmup); the train manifest hashes the init's files;
+    new weights in them rerun training, a touch does not. drafter.init at results/drafter itself
+    is refused before any job."""
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    flow = tiny_workflow
+    trained = sha256_file(trained_drafter / "model.safetensors")
+    init = flow.workdir / "drafters" / "run-1"
+    shutil.copytree(trained_drafter, init)
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    config["drafter"]["init"] = "drafters/run-1"
+    (flow.workdir / "init.yaml").write_text(yaml.safe_dump(config))
+    assert flow.planned_jobs("train", config="init.yaml") == {"train": 1}
+    try:
+        flow.run("train", config="init.yaml")
+        manifest = json.loads((flow.results / "manifests/train.json").read_text())
+        assert manifest["inputs"]["init"] == "drafters/run-1"
+        weights = init / "model.safetensors"
+        assert manifest["input_sha256"]["init"]["model.safetensors"] == sha256_file(weights)
+        for path in init.iterdir():
+            path.touch()
+        assert flow.planned_jobs("train", config="init.yaml") == {}
+        state = load_file(weights)
+        save_file({k: v * 2 for k, v in state.items()}, weights, metadata={"format": "pt"})
+        assert flow.planned_jobs("train", config="init.yaml") == {"train": 1}
+    finally:
+        flow.run("train")  # the random start again: its finished checkpoint is exported again
+    assert sha256_file(trained_drafter / "model.safetensors") == trained
+
+    config["drafter"]["init"] = "results/drafter"
+    (flow.workdir / "own.yaml").write_text(yaml.safe_dump(config))
+    done = flow.run("-n", "train", config="own.yaml", check=False)
+    assert done.returncode != 0
+    assert "is the drafter this run writes" in done.stderr + done.stdout
+    assert "copy it out of results/ first" in done.stderr + done.stdout
 
 
 class _Resources(dict):

@@ -17,6 +17,7 @@ from dflash.errors import UserError
 from dflash.model.decoder import layer_output
 from dflash.model.drafter import DrafterConfig
 from dflash.model.precision import native_bf16
+from dflash.model.start import check_fits, init_path
 from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
 from dflash.model.tau_sim import capped, simulate, tau_macro
 from dflash.train import comm
@@ -27,16 +28,22 @@ log = logging.getLogger(__name__)
 
 
 def drafter_config(config: dict, target_dir: Path) -> DrafterConfig:
+    """The run's drafter for this target; with an exported drafter as `drafter.init`, checked
+    against it here, so every rank refuses a misfit before loading anything."""
     from transformers import AutoConfig
 
     d = config["drafter"]
-    return DrafterConfig.for_target(
+    dcfg = DrafterConfig.for_target(
         AutoConfig.from_pretrained(target_dir),
         d["num_layers"],
         d["block_size"],
         resolve_mask_token(target_dir, config["target"]["mask_token_id"]),
         d["target_layer_ids"],
     )
+    init = init_path(d["init"])
+    if init is not None:
+        check_fits(init, dcfg)
+    return dcfg
 
 
 def target_dtype(device: torch.device) -> torch.dtype:

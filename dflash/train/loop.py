@@ -31,6 +31,7 @@ from dflash.host import STARTUP_PHASES, describe_host, process_age_s
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 from dflash.model.drafter import save_drafter
+from dflash.model.start import init_path
 from dflash.stages import TRAINING_CODE
 from dflash.train import comm
 from dflash.train.batches import Batches
@@ -140,10 +141,11 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
     with atomic_path(args.metrics) as tmp:
         tmp.write_text("".join(line + "\n" for line in lines))
     if args.manifest:
+        init = init_path(config["drafter"]["init"])
         write_manifest(
             args.manifest,
             "train",
-            {"data": args.data},
+            {"data": args.data} | ({"init": init} if init else {}),
             {"drafter": args.out, "metrics": args.metrics, "summary": args.summary},
             params={**config, "world_size": ctx.topology.world},
             code=TRAINING_CODE,

@@ -16,8 +16,9 @@ from dflash.errors import UserError
 from dflash.host import HostMonitor, process_age_s
 from dflash.io import sha256_file
 from dflash.manifest import code_hash
-from dflash.model.drafter import Drafter, init_from_target_top
+from dflash.model.drafter import Drafter
 from dflash.model.objective import default_gamma
+from dflash.model.start import init_identity, initialise
 from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
@@ -88,9 +89,7 @@ class Trainer:
         # took 9 to 14 s to initialise on an H200 box, a third of a warm start
         with torch.device(self.device):
             self.drafter = Drafter(self.dcfg)
-        if d["init"] == "target_top":
-            copied = init_from_target_top(self.drafter, target_dir)
-            log.info("drafter.init: target_top: %d target tensors copied", len(copied))
+        log.info(initialise(self.drafter, d["init"], target_dir))
         gamma = d["gamma"] or default_gamma(d["block_size"])
         self.ddp = ctx.drafter_group is not None
         self.step_fn = TrainStep(
@@ -126,7 +125,8 @@ class Trainer:
             "drafter": self.dcfg.to_hf(),
             "gamma": gamma,
             "max_anchors": d["max_anchors"],
-            "init": d["init"],
+            # an exported drafter by its files' sha256: a replaced file starts a new run
+            "init": init_identity(d["init"]),
             "data_sha256": sha256_file(batches.path),
             "seed": config["seed"],
             "train": {k: t[k] for k in ("epochs", "lr", "grad_accum", "warmup_ratio", "distill")},

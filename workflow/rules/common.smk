@@ -22,6 +22,7 @@ from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
 from dflash import locks
 from dflash.manifest import code_hash, environment_hash
+from dflash.model.start import init_identity, init_path, read_config
 
 # snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
 # A user's mistake is reported as Snakemake reports its own (the message and where, no
@@ -190,6 +191,33 @@ if config["target"]["path"]:
         resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
     except UserError as e:
         raise WorkflowError(str(e)) from None
+
+
+# An exported drafter to start from (drafter.init: <path>), checked before any job runs: that it
+# is one, that it is not the drafter this run writes (training would rewrite its own start, and
+# its new hash would rerun training forever), and, for a user's target, that it fits the run.
+INIT = init_path(config["drafter"]["init"])
+if INIT is not None:
+    try:
+        if os.path.realpath(INIT) == os.path.realpath(DRAFTER):
+            raise UserError(
+                f"drafter.init: {INIT} is the drafter this run writes, rewritten by every"
+                f" training: copy it out of {R}/ first (cp -r {DRAFTER} drafters/previous) and"
+                " start from the copy"
+            )
+        read_config(INIT)
+        if config["target"]["path"]:
+            from dflash.train.features import drafter_config
+
+            drafter_config(config, config["target"]["path"])
+    except UserError as e:
+        raise WorkflowError(str(e)) from None
+
+
+def init_identity_param():
+    """sha256 of the init drafter's files: replacing them reruns training, and only training.
+    Hashed at every start (a second or two for an 8B target's drafter, 2 GB)."""
+    return init_identity(config["drafter"]["init"]) if INIT else None
 
 
 def user_target_hashes():

@@ -57,6 +57,7 @@ rule train:
         ),
         target=TARGET,
         target_files=target_fingerprint(),
+        init=init_identity_param(),
         cache=COMPILE_CACHE,
         code=code_hash(*TRAINING_CODE),
         env=ENV_HASH,
