@@ -82,18 +82,24 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
 def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(
     second_workflow, tmp_path
 ):
-    """Enabling vLLM reruns eval_vllm and what reads it, not the evaluation it is compared with;
-    where vLLM is not installed the stage stops with one clear message."""
+    """Enabling vLLM adds eval_vllm to a run's plan and changes nothing else in it (not the
+    evaluation it is compared with); where vLLM is not installed the stage stops with one clear
+    message, whatever else is stale."""
     workdir = tmp_path / "work"
     shutil.copytree(second_workflow.workdir, workdir, symlinks=True)  # mtimes kept
     flow = Workflow(second_workflow.repo, workdir)
     config = yaml.safe_load((workdir / "tiny.yaml").read_text())
+    config["train"]["lr"] *= 2  # training stale, as after any change a user makes upstream
+    (workdir / "stale.yaml").write_text(yaml.safe_dump(config))
     config["eval"]["vllm"] = {"enabled": True}
     (workdir / "vllm.yaml").write_text(yaml.safe_dump(config))
-    assert flow.planned_jobs("all", config="vllm.yaml") == {
-        "eval_vllm": 1, "report": 1, "record": 1, "all": 1,
-    }  # fmt: skip
-    done = flow.run("eval_vllm", config="vllm.yaml", check=False)
+    before = flow.planned_jobs("all", config="stale.yaml")
+    assert {"train", "eval_acceptance", "eval_ddtree"} <= before.keys()
+    assert flow.planned_jobs("all", config="vllm.yaml") == {**before, "eval_vllm": 1}
+    # eval.vllm is not a param of the evaluation it is compared with
+    changed = flow.run("--list-changes", "params", config="vllm.yaml").stdout
+    assert "eval/acceptance.json" not in changed and "eval/ddtree.json" not in changed
+    done = flow.run("eval_vllm", "--allowed-rules", "eval_vllm", config="vllm.yaml", check=False)
     assert done.returncode != 0
     log = (workdir / "results/logs/eval_vllm.log").read_text()
     assert "vLLM is not installed here" in log and "eval.vllm.enabled: false" in log
