@@ -133,7 +133,7 @@ def main():
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        rows = list(range(engine.prefill_rows))
+        rows = list(range(engine.prefill_count([n] * batch)))  # packed (flex): as many as fit
         prompts = [list(range(n))] * len(rows)
         engine.prefill(rows, prompts)
         prefill = timed(lambda e=engine, r=rows, p=prompts: e.prefill(r, p), 20) / len(rows)

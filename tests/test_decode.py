@@ -129,6 +129,38 @@ def test_compiled_decode_steps_equal_eager_ones(small_decoder):
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_prefill_gives_each_prompt_the_tokens_it_has_alone(small_decoder, monkeypatch):
+    """flex packs prompts end to end into one prefill call: each prompt's tokens are those of
+    the padded prefill (sdpa) and do not depend on which prompts share its call or where in the
+    call it sits (a resumed regeneration refills rows in other company)."""
+    monkeypatch.setattr(BatchedGreedy, "PREFILL_TOKENS", 512)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**small_decoder)).eval()
+    lengths = (5, 130, 3, 200, 17)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
+
+    def decode(attention, calls):
+        engine = BatchedGreedy(model, 5, capacity=320, prompt_width=256, attention=attention)
+        tokens = {}
+        for call in calls:
+            assert engine.prefill_count([lengths[i] for i in call]) == len(call)
+            for i, token in zip(
+                call, engine.prefill(call, [prompts[i] for i in call]), strict=True
+            ):
+                tokens[i] = [token]
+        for _ in range(12):
+            for i, token in enumerate(engine.step()):
+                tokens[i].append(token)
+        return tokens
+
+    padded = decode("sdpa", [[0, 1], [2, 3], [4]])  # two prompts of 256 a call
+    assert decode("flex", [[0, 1], [2, 3, 4]]) == padded
+    assert decode("flex", [[4, 3, 0], [2, 1]]) == padded
+    engine = BatchedGreedy(model, 5, capacity=320, prompt_width=256, attention="flex")
+    # blocks of 128: 5 -> 1, 130 -> 2, 3 -> 1 fill 512 tokens; 200 waits for the next call
+    assert engine.prefill_count(list(lengths)) == 3
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_target_only_decoding_equals_greedy_without_a_cache(target, drafter, kind, prompt):
     assert greedy(target, drafter, prompt, 30, kind).tokens == recomputed_greedy(target, prompt, 30)

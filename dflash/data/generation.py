@@ -9,6 +9,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -182,16 +183,20 @@ def regenerate_continuous(
     conversation at once. `on_done(conversation)` is called as each one completes; returns the
     new tokens.
 
-    Each turn runs in the engine of its prompt's tier (`prompt_tiers`; capacity = tier +
-    max_new_tokens), tiers in increasing order: a decode step attends over the whole cache, so a
-    300-token prompt should not pay for a 2,560-row one. The tier is a function of the prompt's
-    own length and the batch is fixed, so a row's tokens still depend only on its own prompt.
-    A conversation's later turns have longer prompts: they join the same or a later tier.
-    `attention` is the decode step's (`BatchedGreedy`); `overlap` runs the host's work beside
-    the next step (`_drain`). Where time went, per tier, is appended to `stats`
-    (`TierStats.summary`).
+    Under `sdpa` each turn runs in the engine of its prompt's tier (`prompt_tiers`; capacity =
+    tier + max_new_tokens), tiers in increasing order: that decode step attends over the whole
+    cache, so a 300-token prompt should not pay for a 2,560-row one. Under `flex` a step reads
+    only each row's live key blocks, so one engine of the largest capacity serves every turn:
+    a tier's end leaves its rows idle until its longest turn ends (at 8B shapes five tiers' ends
+    and two sparse tiers cost 26 s of 211), one engine has that once. The tier is a function of
+    the prompt's own length and the batch is fixed, so a row's tokens still depend only on its
+    own prompt. A conversation's later turns have longer prompts: they join the same or a later
+    tier. Conversations with more assistant turns start first, since their turns run one after
+    another and the last of them decides when the work ends. `attention` is the decode step's
+    (`BatchedGreedy`); `overlap` runs the host's work beside the next step (`_drain`). Where time
+    went, per tier, is appended to `stats` (`TierStats.summary`).
     """
-    tiers = tiers or prompt_tiers(max_prompt)
+    tiers = tiers or engine_tiers(max_prompt, attention)
     queues: list[deque] = [deque() for _ in tiers]
     n_tokens = 0
 
@@ -215,8 +220,9 @@ def regenerate_continuous(
         else:
             on_done(conv)
 
-    for row in rows:
-        enqueue(Conversation(row))
+    convs = [Conversation(row) for row in rows]
+    for conv in sorted(convs, key=lambda c: -len(c.todo)):  # stable: plan order within a count
+        enqueue(conv)
     for tier, queue in zip(tiers, queues, strict=True):
         if queue:
             capacity = tier + gen.max_new_tokens
@@ -229,6 +235,11 @@ def regenerate_continuous(
                 stats.append(tier_stats.summary(batch))
             del engine  # its caches and graphs, before the next tier's are allocated
     return n_tokens
+
+
+def engine_tiers(max_prompt: int, attention: str) -> list[int]:
+    """The static engines' prompt tiers: one under flex (`regenerate_continuous` says why)."""
+    return [max_prompt] if attention == "flex" else prompt_tiers(max_prompt)
 
 
 @dataclass
@@ -249,6 +260,8 @@ class TierStats:
     # share once the host's work is overlapped
     wait_s: float = 0.0
     busy_row_steps: int = 0
+    # cache rows the busy rows' steps read (each its position + 1): the bandwidth roofline's KV
+    kv_reads: int = 0
     wall_s: float = 0.0
 
     def summary(self, batch: int) -> dict:
@@ -276,11 +289,12 @@ def _drain(
     the device computes. A row that finished at step k gets one more token from step k+1; it is
     dropped, since only rows still holding the turn they held at launch take a step's tokens.
     Each row's tokens are unchanged: its next input is already on the device."""
-    slots: list[tuple[Conversation, list[int]] | None] = [None] * engine.batch
+    # per cache row: the conversation, its turn's tokens so far, its prompt's length
+    slots: list[tuple[Conversation, list[int], int] | None] = [None] * engine.batch
     freed: list[int] = []  # rows whose turn ended, sent back to 0 (`release`) before any refill
 
     def settle(slot: int) -> None:
-        conv, tokens = slots[slot]
+        conv, tokens, _ = slots[slot]
         finished = tokens[-1] in gen.eos_ids
         if finished or len(tokens) >= gen.max_new_tokens:
             slots[slot] = None
@@ -298,8 +312,10 @@ def _drain(
         stats.steps += 1
         for slot, token in enumerate(tokens):
             if slots[slot] is not None and slots[slot] is owners[slot]:
+                _, row_tokens, prompt = slots[slot]
                 stats.busy_row_steps += 1  # a row whose token counts
-                slots[slot][1].append(token)
+                stats.kv_reads += prompt + len(row_tokens)
+                row_tokens.append(token)
                 settle(slot)
         release()
 
@@ -311,7 +327,8 @@ def _drain(
     in_flight = None
     while queue or any(slots) or in_flight:
         free = [slot for slot, busy in enumerate(slots) if busy is None]
-        wanted = min(engine.prefill_rows, len(queue))
+        head = [len(prompt) for _, prompt in islice(queue, engine.prefill_rows)]
+        wanted = engine.prefill_count(head)
         # prefill in full calls while sequences are decoding; waiting a few steps for free rows
         # costs less than a call per prompt
         if free and wanted and (len(free) >= wanted or not any(slots)):
@@ -330,8 +347,8 @@ def _drain(
                 stats.prefill_s += seconds
             stats.prefill_calls += 1
             stats.turns += len(take)
-            for slot, (conv, _), token in zip(take, turns, firsts, strict=True):
-                slots[slot] = (conv, [token])
+            for slot, (conv, prompt), token in zip(take, turns, firsts, strict=True):
+                slots[slot] = (conv, [token], len(prompt))
                 settle(slot)
             release()
             continue

@@ -34,7 +34,7 @@ from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
-from dflash.model.decoder import supports_static
+from dflash.model.decoder import head_dim, supports_static
 from dflash.model.memory import peak_memory_gb
 
 log = logging.getLogger(__name__)
@@ -211,10 +211,40 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         "tokens_per_s": round(counts["new_tokens"] / elapsed, 1) if elapsed else None,
         "peak_memory_gb": peak_memory_gb(),
     }
+    if tiers:
+        rate |= decode_roofline(gen.model, tiers, elapsed)
     log.info("regenerate: %s", rate)
     for tier in tiers:  # where the static engine's time went
         log.info("regenerate: prompt tier %s", tier)
     return rate
+
+
+def decode_roofline(model, tiers: list[dict], elapsed: float) -> dict:
+    """The static engine's decode steps at the GPU's datasheet bandwidth: each step reads the
+    weights (all but the input embedding, which is gathered) and every busy row's cache up to
+    its position. The stage's share of it counts prefill, setup and idle rows as lost time."""
+    from dflash.plan.rates import GPUS
+
+    if not torch.cuda.is_available():
+        return {}
+    name = torch.cuda.get_device_name(next(model.parameters()).device).lower()
+    spec = next((v for k, v in GPUS.items() if k in name), None)
+    if spec is None:
+        return {}
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    if model.get_output_embeddings().weight is embed:  # tied: the LM head reads it every step
+        weights += embed.numel() * embed.element_size()
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads
+    per_token *= head_dim(config) * embed.element_size()
+    steps = sum(t["steps"] for t in tiers)
+    kv_reads = sum(t["kv_reads"] for t in tiers)
+    seconds = (steps * weights + kv_reads * per_token) / (spec["tb_s"] * 1e12)
+    return {
+        "decode_roofline_s": round(seconds, 2),
+        "of_decode_roofline": round(seconds / elapsed, 3) if elapsed else None,
+    }
 
 
 def merge_shards(input_path: Path, shard_files: list[Path], output: Path) -> None:

@@ -187,6 +187,11 @@ class PendingTokens:
 KV_BLOCK = 128
 
 
+def aligned(n: int) -> int:
+    """`n` rounded up to whole key blocks."""
+    return -(-n // KV_BLOCK) * KV_BLOCK
+
+
 def live_blocks(positions: torch.Tensor, capacity: int, queries: int):
     """A flex_attention BlockMask for `queries` queries per row (the query heads of one key
     head): row b sees cache rows 0..positions[b], the blocks past it are never read. Tensor work
@@ -212,15 +217,19 @@ class BatchedGreedy:
 
     `prefill(rows, prompts)` puts sequences into free rows and returns their first tokens;
     `step()` advances every row by one token. A row's tokens depend only on its own prompt: every
-    step and every prefill has one shape (prefills take `prefill_rows` prompts at once, each
-    padded to `prompt_width` after its end, so causal attention never sees the padding; unused
-    prefill rows write to a scratch cache row no sequence reads). Rows can therefore be refilled
-    as they finish (no waiting for the batch's longest), and a resumed regeneration produces the
-    same tokens as an uninterrupted one. On CUDA both replay CUDA graphs.
+    step and every prefill has one shape, and where a prompt sits in a prefill call does not
+    change its arithmetic. Rows can therefore be refilled as they finish (no waiting for the
+    batch's longest), and a resumed regeneration produces the same tokens as an uninterrupted
+    one. On CUDA both replay CUDA graphs.
 
     `attention`: `sdpa` attends over the whole cache under a mask (its cost grows with the
-    capacity, whatever the rows' lengths); `flex` reads only the key blocks up to each row's
-    position (compiled flex_attention; the capacity is rounded up to whole blocks).
+    capacity, whatever the rows' lengths), and a prefill takes `prefill_rows` prompts, each
+    padded to `prompt_width` after its end (causal attention never sees the padding). `flex`
+    reads only the key blocks up to each row's position (compiled flex_attention; the capacity
+    is rounded up to whole blocks), and a prefill packs prompts end to end into one sequence of
+    `PREFILL_TOKENS`, each starting on a key block (so its blocks are those it would have alone)
+    and seeing only its own: padding is at most a block a prompt, not up to the tier's width.
+    Unused prefill rows and tokens write to a scratch cache row no sequence reads.
     """
 
     # Tokens per prefill call: one prompt at a time cost ~5 ms whatever its length (30 layers of
@@ -244,14 +253,18 @@ class BatchedGreedy:
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
         self.attention = attention
-        if attention == "flex":
+        self.packed = attention == "flex"
+        if self.packed:
             from torch.nn.attention.flex_attention import flex_attention
 
             capacity = -(-capacity // KV_BLOCK) * KV_BLOCK
             self.flex = torch.compile(flex_attention, dynamic=False)
+            self.pack_tokens = max(self.PREFILL_TOKENS, aligned(prompt_width))
+            self.prefill_rows = min(batch, self.pack_tokens // KV_BLOCK)
+        else:
+            self.prefill_rows = max(1, min(batch, self.PREFILL_TOKENS // prompt_width))
         self.model, self.decoder = model, model.get_decoder()
         self.batch, self.capacity, self.prompt_width = batch, capacity, prompt_width
-        self.prefill_rows = max(1, min(batch, self.PREFILL_TOKENS // prompt_width))
         self.head_dim = head_dim(model.config)
         config = model.config
         self.query_heads_per_key = config.num_attention_heads // config.num_key_value_heads
@@ -272,26 +285,66 @@ class BatchedGreedy:
         self.host_tokens = [torch.empty(batch, dtype=torch.long, pin_memory=pinned) for _ in "ab"]
         self.launched = 0
 
+    def prefill_count(self, lengths: list[int]) -> int:
+        """How many of the prompts of these lengths, from the first, one prefill call takes."""
+        if not self.packed:
+            return min(self.prefill_rows, len(lengths))
+        count = used = 0
+        for n in lengths[: self.prefill_rows]:
+            used += aligned(n)
+            if used > self.pack_tokens:
+                break
+            count += 1
+        return count
+
     def prefill(self, rows: list[int], prompts: list[list[int]]) -> list[int]:
-        """Start `prompts` (at most `prefill_rows`, each at most `prompt_width` tokens) in the
-        free cache `rows`; returns their first tokens."""
-        k, width = self.prefill_rows, self.prompt_width
-        if not 0 < len(prompts) <= k:
-            raise ValueError(f"prefill takes 1 to {k} prompts, got {len(prompts)}")
-        ids = torch.zeros(k, width, dtype=torch.long)
+        """Start `prompts` (at most `prefill_count` of them, each at most `prompt_width` tokens)
+        in the free cache `rows`; returns their first tokens."""
+        k, lengths_given = self.prefill_rows, list(map(len, prompts))
+        if len(rows) != len(prompts) or not 0 < len(prompts) <= self.prefill_count(lengths_given):
+            raise ValueError(f"prefill takes 1 to {k} prompts that fit one call, a row each")
+        if max(lengths_given) > self.prompt_width:
+            raise ValueError(f"a prompt is over prompt_width {self.prompt_width}")
         lengths = torch.ones(k, dtype=torch.long)
         targets = torch.full((k,), self.batch, dtype=torch.long)
-        for i, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
-            if len(prompt) > width:
-                raise ValueError(f"a prompt of {len(prompt)} tokens is over prompt_width {width}")
-            ids[i, : len(prompt)] = torch.tensor(prompt)
-            lengths[i], targets[i] = len(prompt), row
-        ids, lengths, targets = (t.to(self.device) for t in (ids, lengths, targets))
-        (first,) = self.graphs(("prefill",), self._prefill, ids, lengths, targets)
-        m = len(prompts)
+        lengths[: len(prompts)] = torch.tensor(lengths_given)
+        targets[: len(rows)] = torch.tensor(rows)
+        if self.packed:
+            inputs = (*self._pack(prompts), targets)
+            fn = self._prefill_packed
+        else:
+            ids = torch.zeros(k, self.prompt_width, dtype=torch.long)
+            for i, prompt in enumerate(prompts):
+                ids[i, : len(prompt)] = torch.tensor(prompt)
+            inputs, fn = (ids, lengths, targets), self._prefill
+        inputs = tuple(t.to(self.device) for t in inputs)
+        (first,) = self.graphs(("prefill",), fn, *inputs)
+        m, targets, lengths = len(prompts), targets.to(self.device), lengths.to(self.device)
         self.tokens[targets[:m]] = first[:m]
         self.positions[targets[:m]] = lengths[:m]
         return first[:m].tolist()
+
+    def _pack(self, prompts: list[list[int]]):
+        """The packed call's inputs: token ids (1, T), each token's position in its prompt and
+        its cache row (T,), each query block's first key block (T / KV_BLOCK,), each prompt's
+        last token (prefill_rows,). Tokens past a prompt's end, to its next block, and the pack's
+        unused tail keep counting positions and write to the scratch row."""
+        total = self.pack_tokens
+        ids = torch.zeros(1, total, dtype=torch.long)
+        positions = torch.arange(total) % KV_BLOCK
+        owners = torch.full((total,), self.prefill_rows, dtype=torch.long)  # the scratch row
+        first_block = torch.arange(total // KV_BLOCK)
+        last = torch.zeros(self.prefill_rows, dtype=torch.long)
+        start = 0
+        for i, prompt in enumerate(prompts):
+            n, span = len(prompt), aligned(len(prompt))
+            ids[0, start : start + n] = torch.tensor(prompt)
+            positions[start : start + span] = torch.arange(span)
+            owners[start : start + n] = i  # the prompt's index, mapped to its row on the device
+            first_block[start // KV_BLOCK : (start + span) // KV_BLOCK] = start // KV_BLOCK
+            last[i] = start + n - 1
+            start += span
+        return ids, positions, owners, first_block, last
 
     def step(self) -> list[int]:
         """The next token of every row (rows without a sequence produce garbage, ignored)."""
@@ -329,6 +382,42 @@ class BatchedGreedy:
             self.values[i][:, :, :width].index_copy_(0, targets, v)
         last = x[torch.arange(k, device=x.device), lengths - 1]
         return (self.model.lm_head(self.decoder.norm(last)).argmax(-1),)
+
+    @torch.no_grad()
+    def _prefill_packed(self, ids, positions, owners, first_block, last, targets):
+        """A packed prefill (`_pack`): each query block sees the key blocks from its prompt's
+        first to itself, causally; keys and values go to each token's row at its position."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        total = ids.shape[1]
+        n_blocks = total // KV_BLOCK
+        order = torch.arange(n_blocks, device=ids.device)
+        counts = (order - first_block + 1).to(torch.int32).view(1, 1, n_blocks)
+        # query block j reads key blocks first_block[j], first_block[j] + 1, ..., j (clamped
+        # indices past the count are never read)
+        indices = (first_block[:, None] + order[None]).clamp(max=n_blocks - 1)
+        indices = indices.to(torch.int32).view(1, 1, n_blocks, n_blocks)
+
+        def causal(b, h, q, kv):
+            return kv <= q
+
+        mask = BlockMask.from_kv_blocks(
+            counts, indices, BLOCK_SIZE=(KV_BLOCK, KV_BLOCK), mask_mod=causal,
+            seq_lengths=(total, total), compute_q_blocks=False,
+        )  # fmt: skip
+        # a token's cache row: its prompt's row, or the scratch row past the rows (`batch`)
+        scratch = targets.new_full((1,), self.batch)
+        rows = torch.cat([targets, scratch])[owners]
+        x = self.decoder.embed_tokens(ids)
+        cos, sin = self.decoder.rotary_emb(x, positions[None])
+        for i, layer in enumerate(self.decoder.layers):
+            attn = layer.self_attn
+            q, k, v = self.pieces.projections(layer, x, cos, sin, self.head_dim)
+            self.keys[i][rows, :, positions] = k[0].transpose(0, 1)
+            self.values[i][rows, :, positions] = v[0].transpose(0, 1)
+            out = self.flex(q, k, v, block_mask=mask, scale=attn.scaling, enable_gqa=True)
+            x = self.pieces.mlp(layer, x, out.transpose(1, 2).reshape(1, total, -1))
+        return (self.model.lm_head(self.decoder.norm(x[0, last])).argmax(-1),)
 
     @torch.no_grad()
     def _step(self, tokens, positions):
