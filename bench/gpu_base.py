@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 KERNEL_KINDS = (  # (kind, substrings of a kernel's name), first match wins
-    ("flex attention", ("flex_attention",)),
+    ("flex attention", ("flex_attention", "flex_decoding")),
     ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_")),
     ("CE softmax and gradient", ("logsumexp",)),
     ("inductor fused (norms, RoPE, SiLU, casts)", ("triton_",)),

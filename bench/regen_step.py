@@ -68,6 +68,25 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def profile_step(fn) -> dict:
+    """Device milliseconds of one ungraphed step by kernel kind (`bench/gpu_base.py`'s split)
+    and its ten costliest kernels: where a step's time goes against its roofline."""
+    from gpu_base import kernel_split
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    kernels = sorted(
+        (e for e in averages if e.self_device_time_total), key=lambda e: -e.self_device_time_total
+    )
+    top = {e.key[:80]: [round(e.self_device_time_total / 1e3, 3), e.count] for e in kernels[:10]}
+    return {**kernel_split(averages), "top_kernels_ms_calls": top}
+
+
 def main():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -82,6 +101,10 @@ def main():
     )  # fmt: skip
     parser.add_argument("--no-prefill", action="store_true", help="time the decode step alone")
     parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also the ungraphed step's device time by kernel kind, and its top kernels",
+    )  # fmt: skip
     parser.add_argument(
         "--shapes", nargs="+", type=shape, help="BATCHxCAPACITY, e.g. 512x2560 (default: SHAPES)"
     )
@@ -124,6 +147,8 @@ def main():
         }  # fmt: skip
         row["roofline_ms"] = round((row["weights_gb"] + row["kv_gb"]) / 4.8, 3)
         row["of_roofline"] = round(row["roofline_ms"] / row["step_ms"], 3)
+        if args.profile:
+            row["profile"] = profile_step(lambda e=engine, p=spread: e._step(e.tokens, p))
         print(json.dumps(row), flush=True)
         if args.out:
             with args.out.open("a") as f:
