@@ -323,6 +323,11 @@ def _add_plan(sub) -> None:
     p.add_argument(
         "--eval-new-tokens", type=int, default=256, help="eval.max_new_tokens (default 256)"
     )
+    p.add_argument(
+        "--checkpoints", type=int,
+        help="checkpoints training writes (default one at each epoch's end; "
+        "train.checkpoint_every adds one every so many steps)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.plan:run")
 

@@ -144,6 +144,7 @@ def build(args) -> Plan:
         or 2 * 128 * math.ceil(data.new_tokens / 128),
         eval_prompts=args.eval_prompts,
         eval_new_tokens=args.eval_new_tokens,
+        checkpoints=args.checkpoints,
         rates=rates,
     )
 

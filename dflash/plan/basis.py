@@ -34,6 +34,7 @@ class Plan:
     max_new_tokens: int = 2048
     eval_prompts: int = 104
     eval_new_tokens: int = 256
+    checkpoints: int | None = None  # None: one at each epoch's end
     rates: list = field(default_factory=lambda: list(RATES))
 
     @property

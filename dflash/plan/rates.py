@@ -85,6 +85,11 @@ REHEARSAL_8B = (
     "BENCHMARKS.md 2026-12-03, the 8B rehearsal; bench/results/2026-12-03-h200-rehearsal-8b.json"
 )
 
+REHEARSAL_8B_ONE_RUN = (
+    "BENCHMARKS.md 2026-12-04, the 8B rehearsal in one run; "
+    "bench/results/2026-12-04-h200-rehearsal-8b-one-run.json"
+)
+
 RATES = [
     # -- Qwen3-8B shapes (random weights) in the workflow: the 8B rehearsal, config/rehearsal-8b.yaml
     # (512 ShareGPT conversations, every turn, each answer 1,024 tokens: a random target never
@@ -93,60 +98,94 @@ RATES = [
         "stage": "regenerate",
         "target": "qwen3-8b",
         "gpu": "h200",
-        "value": 5070,
-        # per turn: new_tokens 1,069,540 over 1,048 turns (the tiers' turn counts); prompt_tokens
-        # estimated, each tier's turns counted at its midpoint (128, 384, 768, 1,536, 2,304), as
-        # the JSON's roofline does. Per row (what a plan's data are in): 2,089 new tokens
-        # (1,069,540 / 512); 216 prompt tokens is an estimate (not measured by the run).
-        # tiers: prompt tiers 256 ... 2,560, all five used; steps 11,466 (4,096 + 1,024 + 1,075
-        # + 3,072 + 2,199), busy rows 13-91 % by tier
+        "value": 5212,
+        # per turn: new_tokens 1,069,384 over 1,045 turns; prompt_tokens from the run's own
+        # kv_reads (each busy row's cache read per step: a mean of 1,413 tokens = the prompt +
+        # half the answer, 512). Per row (what a plan's data are in): 2,089 new tokens
+        # (1,069,384 / 512); 216 prompt tokens is an estimate (not measured by the run).
+        # tiers: one engine for every prompt length (flex); steps 10,240: every answer ran to the
+        # cap, so rows finished together, in 10 waves of 1,024 steps (1,045 turns fill 8.2)
         "workload": {
             "batch": 128,
-            "prompt_tokens": 1053,
-            "new_tokens": 1021,
+            "prompt_tokens": 901,
+            "new_tokens": 1023,
             "max_new_tokens": 1024,
-            "tiers": 5,
-            "tokens": 1069540,
+            "tiers": 1,
+            "tokens": 1069384,
             "row_prompt_tokens": 216,
             "row_new_tokens": 2089,
         },
-        "source": f"{REHEARSAL_8B}, regenerate_train of the third run (1,069,540 new tokens in "
-        "210.96 s, the decode step's layers fused; the first run's 254.18 s unfused; the same "
-        "rows, tiers and steps)",
-        "date": "2026-12-03",
+        "source": f"{REHEARSAL_8B_ONE_RUN}, regenerate_train (1,069,384 new tokens in 205.18 s; "
+        "2026-12-03's third run with five prompt tiers: 5,070 tokens/s)",
+        "date": "2026-12-04",
         "machine": H200,
-        "config": "config/rehearsal-8b.yaml at 708b4b7: static engine, flex attention, bf16",
+        "config": "config/rehearsal-8b.yaml at e376606: static engine, flex attention (one "
+        "engine, packed prefill), bf16",
     },
     {
         "stage": "train",
         "target": "qwen3-8b",
         "gpu": "h200",
-        "value": 16663,
-        # length: 16,662.8 tokens/s x 0.5017 s a steady step (time_split) / 4 rows = 2,090
+        "value": 16983,
+        # length: 16,982.6 tokens/s x 0.4912 s a steady step (time_split) / 4 rows = 2,085
         # tokens a row after truncation at 2,560; prompt: the rows' 216 estimated, as above
         "workload": {
-            "length": 2090,
+            "length": 2085,
             "prompt": 216,
             "anchors": 256,
             "drafter_layers": 5,
             "block_size": 16,
         },
-        "source": f"{REHEARSAL_8B}, train_summary.tokens_per_s (383 steady steps, 94.9 % of "
-        "the bench's 17,555)",
-        "date": "2026-12-03",
+        "source": f"{REHEARSAL_8B_ONE_RUN}, train_summary.tokens_per_s (383 steady steps, "
+        "96.7 % of the bench's 17,555; 2026-12-03's first run: 16,663)",
+        "date": "2026-12-04",
         "machine": H200,
         "config": "config/rehearsal-8b.yaml: 0 + 1, batches of 4 x 2560, compiled",
+    },
+    {
+        "stage": "checkpoint",
+        "target": "qwen3-8b",
+        "gpu": "h200",
+        # GB/s of the copy to host that stalls the step (12.58 GB in 9.1, 8.9, 9.4 s); the
+        # write and hash run beside training (19.5-23.5 s), the last one awaited at the end
+        "value": 1.38,
+        "workload": {"gb": 12.58, "write_gb_s": 0.58},
+        "source": f"{REHEARSAL_8B_ONE_RUN}, train.log checkpoint lines (3 checkpoints)",
+        "date": "2026-12-04",
+        "machine": H200,
+        "config": "config/rehearsal-8b.yaml: fp32 weights and AdamW moments of a 1.05B drafter",
+    },
+    {
+        "stage": "rest",
+        "target": "qwen3-8b",
+        "gpu": "h200",
+        # the rules outside the five stages, in the run's critical path: the target (draw,
+        # write, hash 16.4 GB: 78 s, expand_dataset beside it) and record (hashes it again:
+        # 24 s), the eval split's regeneration (86 s: on one GPU it holds the GPU first),
+        # length_stats 7 s and report 2 s
+        "value": 197,
+        "workload": {
+            "target_gb": 16.4,
+            "target_s": 102,
+            "eval_split_s": 86,
+            "eval_rows": 8,
+            "cpu_s": 9,
+        },
+        "source": f"{REHEARSAL_8B_ONE_RUN}, rule_seconds",
+        "date": "2026-12-04",
+        "machine": H200,
+        "config": "config/rehearsal-8b.yaml: data.eval_rows 8, a random target drawn on the GPU",
     },
     {
         "stage": "warmup",
         "target": "qwen3-8b",
         "gpu": "h200",
-        "value": 93,
-        # the rule's wall (compile/warmup.json: 85.0 s, the first step 67.9 s); later_s: the
+        "value": 106,
+        # the rule's wall (compile/warmup.json: 97.8 s, the first step 77.3 s); later_s: the
         # 2026-11-30 warmup entry's further shapes, as the bench entry below
         "workload": {"shapes": 1, "later_s": 32, "anchors": 256},
-        "source": f"{REHEARSAL_8B}, run1_rule_seconds warmup_compile (beside regeneration)",
-        "date": "2026-12-03",
+        "source": f"{REHEARSAL_8B_ONE_RUN}, rule_seconds warmup_compile (beside regeneration)",
+        "date": "2026-12-04",
         "machine": H200,
         "config": "config/rehearsal-8b.yaml: buckets [2560], 256 anchors, batch 4",
     },
@@ -154,10 +193,11 @@ RATES = [
         "stage": "startup",
         "target": "qwen3-8b",
         "gpu": "h200",
-        "value": 28.7,
+        "value": 31.2,
         "workload": {},
-        "source": f"{REHEARSAL_8B}, train_summary.startup_s (imports 15.5, setup 6.2, compile 6.8)",
-        "date": "2026-12-03",
+        "source": f"{REHEARSAL_8B_ONE_RUN}, train_summary.startup_s (imports 17.9, setup 5.4, "
+        "compile 7.7)",
+        "date": "2026-12-04",
         "machine": H200,
         "config": "dflash train 0 + 1, compile cache warm from the warmup rule",
     },
@@ -165,22 +205,22 @@ RATES = [
         "stage": "eval",
         "target": "qwen3-8b",
         "gpu": "h200",
-        "value": 130,
-        # eval_acceptance 76 s (decoding: target 5.1 + lookup 5.0 + drafter 9.0 + drafter and
-        # lookup 7.5 = 26.6 s) + eval_ddtree 54 s (2 prompts: target 2.5 + chain 5.3 + tree 3.8
-        # = 11.6 s); fixed_s: the rest (92 s: imports, loading the 16 GB target and the
+        "value": 166,
+        # eval_acceptance 98 s (decoding: target 11.8 + lookup 6.8 + drafter 16.3 + drafter and
+        # lookup 9.9 = 44.8 s) + eval_ddtree 68 s (4 prompts: target 4.6 + chain 7.7 + tree
+        # 5.2 = 17.5 s); fixed_s: the rest (103.7 s: imports, loading the 16 GB target and the
         # drafter, CUDA graphs, the tau_sim check), which does not grow with prompts
         "workload": {
-            "prompts": 4,
+            "prompts": 8,
             "new_tokens": 128,
-            "target_tokens_per_s": 100.0,
-            "fixed_s": 91.8,
+            "target_tokens_per_s": 85.8,
+            "fixed_s": 103.7,
         },
-        "source": f"{REHEARSAL_8B}, run2_rule_seconds eval_acceptance 76 + eval_ddtree 54; "
-        "run2_eval decoding lines",
-        "date": "2026-12-03",
+        "source": f"{REHEARSAL_8B_ONE_RUN}, rule_seconds eval_acceptance 98 + eval_ddtree 68; "
+        "the eval logs' decoding lines",
+        "date": "2026-12-04",
         "machine": H200,
-        "config": "run 2 (8cf29c8): eval.max_prompts 4, eval.ddtree.max_prompts 2, bf16",
+        "config": "eval.max_prompts 8, eval.ddtree.max_prompts 4, bf16",
     },
     {
         "stage": "tokenize",

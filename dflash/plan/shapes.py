@@ -96,6 +96,10 @@ def assumed_shape(params: float) -> Shape:
     return shape(hidden, max(1, round((params - bare) / per_layer)))
 
 
+# a checkpoint's bytes per trained parameter: fp32 weights and AdamW's two moments
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
 @dataclass(frozen=True)
 class Drafter:
     layers: int = 5
@@ -125,6 +129,13 @@ def drafter_flops(shape: Shape, drafter: Drafter, n: float, prompt: float) -> fl
     )
     trained = drafter.layers * per_layer + 2 * n * drafter.layers * h * h  # fc: one layer each
     return 3 * trained + 2 * (2 * t * h * shape.vocab)
+
+
+def drafter_params(shape: Shape, drafter: Drafter) -> int:
+    """The drafter's trained parameters: its layers at the target's width, `fc` (one target
+    layer's hidden state per drafter layer, as `drafter_flops` counts it) and its final norm."""
+    h = shape.hidden
+    return drafter.layers * (shape.layer_matmul_params() + 2 * h + h * h) + h
 
 
 def sample_flops(shape: Shape, drafter: Drafter, n: float, prompt: float) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from dflash.data.tiers import SMALLEST_TIER, prompt_tiers
 from dflash.errors import UserError
 from dflash.plan.basis import (
     MEMORY_USE,
@@ -29,10 +28,12 @@ from dflash.plan.basis import (
 from dflash.plan.rates import GPUS, H200_COPY_TB_S
 from dflash.plan.shapes import (
     BF16,
+    CHECKPOINT_BYTES_PER_PARAM,
     Data,
     Drafter,
     Shape,
     drafter_flops,
+    drafter_params,
     feature_flops,
     sample_flops,
 )
@@ -65,23 +66,23 @@ def replica_width(p: Plan) -> int:
 
 
 def fit_batch(p: Plan, width: int) -> tuple[int, str]:
-    """Rows per decoding step: --regen-batch, or fewer where their caches do not fit."""
-    prompt = max(p.data.prompt_tokens, 1)
-    tier = max(SMALLEST_TIER, 2 ** math.ceil(math.log2(prompt)))
-    reserve = f"{tier} + {p.max_new_tokens} cache tokens"
+    """Rows per decoding step: --regen-batch, or fewer where their caches do not fit. Every row
+    reserves the longest prompt + the cap (one engine for every prompt length, flex attention)."""
+    reserve = f"{p.max_length} + {p.max_new_tokens} cache tokens"
     memory = width * GPUS[p.gpu]["gb"]
     free = memory * 1e9 * MEMORY_USE - p.shape.params * BF16
-    fits = int(free // ((tier + p.max_new_tokens) * p.shape.kv_bytes))
+    fits = int(free // ((p.max_length + p.max_new_tokens) * p.shape.kv_bytes))
     if fits >= p.regen_batch:
         return p.regen_batch, f"--regen-batch, rows of {reserve}"
     return max(fits, 1), f"what fits in {MEMORY_USE:.0%} of {memory} GB: rows of {reserve}"
 
 
-def drain_steps(tiers: int, max_new_tokens: int) -> float:
-    """Decode steps a shard spends past its full-batch ones: each prompt tier ends with its last
-    turns finishing while fewer and fewer rows are busy, half of `max_new_tokens` steps on
-    average (a whole wave of turns that each run to the cap: 0 to max_new_tokens steps)."""
-    return tiers * max_new_tokens / 2
+def drain_steps(engines: int, max_new_tokens: int) -> float:
+    """Decode steps a shard spends past its full-batch ones: each engine (a prompt tier, in
+    measurements from before one engine took every prompt length) ends with its last turns
+    finishing while fewer and fewer rows are busy, half of `max_new_tokens` steps on average (a
+    whole wave of turns that each run to the cap: 0 to max_new_tokens steps)."""
+    return engines * max_new_tokens / 2
 
 
 def regen_matches(w: dict, d: Data) -> bool:
@@ -106,7 +107,7 @@ def regeneration(p: Plan) -> Figure:
     r = pick(p, "regenerate", near)
     w = r["workload"]
     ref_roof, _ = roofline(rate_shape(r), r["gpu"], w["batch"], w["prompt_tokens"], w["new_tokens"])
-    # the measurement's tokens took full-batch steps plus its tiers' drains: its fraction of the
+    # the measurement's tokens took full-batch steps plus its engines' (tiers') drains: its fraction of the
     # roofline is that of its mean step, as if every step had been full (no `tokens`: no drain)
     fraction = r["value"] / ref_roof
     if "tokens" in w:
@@ -124,12 +125,13 @@ def regeneration(p: Plan) -> Figure:
     if measured:
         rate = r["value"]
         seconds = shard_tokens / rate
-        how = "the rate measured (the tiers' drains included)"
+        how = "the rate measured (its drain included)"
     else:
         rate = fraction * roof  # full-batch steps of one copy of the target
-        # drains, where the measurement's fraction is of full-batch steps (else it has them in)
-        tiers = len(prompt_tiers(p.max_length)) if "tokens" in w else 0
-        drain = drain_steps(tiers, p.max_new_tokens)
+        # the drain, where the measurement's fraction is of full-batch steps (else it has it in):
+        # one engine a shard (flex attention, as every GPU config sets)
+        engines = 1 if "tokens" in w else 0
+        drain = drain_steps(engines, p.max_new_tokens)
         seconds = (shard_tokens / batch + drain) * batch / rate
         how = (
             f"{fraction:.2f} of the bandwidth roofline (the fraction measured, at batch "
@@ -138,10 +140,10 @@ def regeneration(p: Plan) -> Figure:
             f"{d.new_tokens:.0f}/2 tokens; a sample taken as one turn) at {width} x "
             f"{GPUS[p.gpu]['tb_s']} TB/s: roofline {kilo(roof)} tokens/s"
         )
-        if tiers:
+        if engines:
             how += (
-                f"; + {drain:,.0f} steps a shard for the drains of {tiers} prompt tiers "
-                f"(--max-length), {p.max_new_tokens:,} / 2 each (--max-new-tokens)"
+                f"; + {drain:,.0f} steps a shard for its drain, {p.max_new_tokens:,} / 2 "
+                "(--max-new-tokens)"
             )
     if width > 1:
         how += f"; each copy split over {width} GPUs (tensor parallel, not in dflash yet: ideal)"
@@ -254,10 +256,28 @@ def training(p: Plan) -> Figure:
             f"{GPUS[p.gpu]['gb']} GB (the time assumes they did)"
         )
     startup = pick(p, "startup")
-    how += f"; + {startup['value']} s from process start to the first step"
-    seconds = p.data.samples * p.epochs / samples_s + startup["value"]
+    stalls, words = checkpoint_s(p)
+    how += f"; + {startup['value']} s from process start to the first step; {words}"
+    seconds = p.data.samples * p.epochs / samples_s + startup["value"] + stalls
     rate = f"{kilo(samples_s * n / p.gpus)} tokens/s per GPU"
     return Figure("training", seconds, rate, basis(measured), how, r["source"])
+
+
+def checkpoint_s(p: Plan) -> tuple[float, str]:
+    """Seconds training spends on its checkpoints: each stalls the step while the state is
+    copied to host memory; a thread writes and hashes it beside training, and the run waits for
+    the last one's write at its end."""
+    r = pick(p, "checkpoint")
+    gb = CHECKPOINT_BYTES_PER_PARAM * drafter_params(p.shape, p.drafter) / 1e9
+    n = p.checkpoints or p.epochs
+    seconds = n * gb / r["value"] + gb / r["workload"]["write_gb_s"]
+    words = (
+        f"{n} checkpoint{'s' * (n > 1)} of {gb:.2f} GB (fp32 weights and AdamW moments; "
+        f"{'--checkpoints' if p.checkpoints else 'one at each epoch end: --checkpoints'}): "
+        f"each stalls the step for its copy to host at {r['value']} GB/s, the last one's write "
+        f"at {r['workload']['write_gb_s']} GB/s is awaited, {seconds:.0f} s"
+    )
+    return seconds, words
 
 
 def train_distance(w: dict, p: Plan, n: float) -> tuple:
@@ -307,14 +327,42 @@ def evaluation(p: Plan) -> Figure:
     return Figure("evaluation", seconds, "batch 1, one copy", basis(measured), how, r["source"])
 
 
-STAGES = (regeneration, tokenization, warmup, training, evaluation)
+def rest(p: Plan) -> Figure:
+    """The rules outside the five stages that sit in a run's critical path: the target's
+    preparation and the record's hash (both read every weight byte), the eval split's
+    regeneration (it holds the only GPU first on one GPU, runs beside the train split on more),
+    length statistics and the report."""
+    r = pick(p, "rest")
+    w = r["workload"]
+    target_gb = p.shape.params * BF16 / 1e9
+    target_s = w["target_s"] * target_gb / w["target_gb"]
+    eval_s = w["eval_split_s"] if p.gpus == 1 else 0
+    seconds = w["cpu_s"] + target_s + eval_s
+    # the eval split: its rows are the evaluation's prompts (data.eval_rows)
+    measured = same_setting(r, p) and p.gpus == 1 and p.eval_prompts == w["eval_rows"]
+    how = (
+        f"the target's preparation and the record's hash: {w['target_s']} s measured for "
+        f"{w['target_gb']} GB, x {target_gb / w['target_gb']:.2f} for {target_gb:.1f} GB; "
+        + (
+            f"the eval split's regeneration before the train split's on one GPU, "
+            f"{w['eval_split_s']} s measured for {w['eval_rows']} rows, taken as it is (its "
+            "turns run one after another: waves of --max-new-tokens steps)"
+            if eval_s
+            else "the eval split regenerated beside the train split (a GPU each)"
+        )
+        + f"; length statistics and the report {w['cpu_s']} s"
+    )
+    return Figure("other rules", seconds, "", basis(measured), how, r["source"])
+
+
+STAGES = (regeneration, tokenization, warmup, training, evaluation, rest)
 
 
 def summarize(p: Plan) -> dict:
     figures = [stage(p) for stage in STAGES]
     by = {f.stage: f.seconds for f in figures}
     overlapped = max(by["regeneration"], by["compile warmup"])
-    total = overlapped + by["tokenization"] + by["training"] + by["evaluation"]
+    total = overlapped + by["tokenization"] + by["training"] + by["evaluation"] + by["other rules"]
     n = p.data.length(p.max_length)
     return {
         "target": {
