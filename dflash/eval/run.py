@@ -87,6 +87,7 @@ def summarize(prompts, gens: list[Generation], block_size: int, reference) -> di
         out = acceptance([gens[i].accepted for i in idx], block_size)
         out["tokens"] = sum(len(gens[i].tokens) for i in idx)
         out["tokens_per_s"] = round(decoded / seconds, 2) if seconds else None
+        out["graph_setup_s"] = round(sum(gens[i].setup_s for i in idx), 2)  # not in `seconds`
         out["lossless"] = round(
             statistics.fmean(gens[i].tokens == reference[i].tokens for i in idx), 4
         )

@@ -155,10 +155,12 @@ def log_generations(name: str, gens: list[Generation]) -> None:
     tokens = sum(sum(g.accepted) for g in gens)
     seconds = sum(g.seconds for g in gens)
     log.info(
-        "%s: %d tokens in %.1f s (%.1f tokens/s), %d prompts",
+        "%s: %d tokens in %.1f s (%.1f tokens/s), %d prompts; CUDA graph captures and compiles "
+        "%.1f s more, not counted",
         name,
         tokens,
         seconds,
         tokens / seconds if seconds else 0.0,
         len(gens),
+        sum(g.setup_s for g in gens),
     )
