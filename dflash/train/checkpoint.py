@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dflash.errors import UserError
 from dflash.io import atomic_path, read_json, sha256_file, write_json
@@ -90,12 +90,34 @@ def save_checkpoint(root: str | Path, step: int, state: dict, meta: dict, keep: 
     return final
 
 
-def host_copy(state):
-    """A copy of every tensor in `state` (nested dicts and lists) in host memory, so the
-    training step can change the originals while the copy is written."""
-    return tree_map(
-        lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x, state
-    )
+class HostSnapshots:
+    """Copies of a training state in host memory for a checkpoint. CUDA tensors go into
+    page-locked buffers made at the first copy and reused by the next ones, so the copy runs at
+    the link's speed: pageable memory took 9.1 s for 12.58 GB on an H200, a stall of the step
+    every checkpoint. A copy overwrites the previous one: its write must be done first."""
+
+    def __init__(self):
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def copy(self, state):
+        leaves, spec = tree_flatten(state)
+        copied, on_gpu = [], False
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                buffer = self._buffers.get(i)
+                if buffer is None or buffer.shape != x.shape or buffer.dtype != x.dtype:
+                    buffer = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                    self._buffers[i] = buffer
+                buffer.copy_(x.detach(), non_blocking=True)
+                copied.append(buffer)
+                on_gpu = True
+            elif isinstance(x, torch.Tensor):
+                copied.append(x.detach().to("cpu", copy=True))
+            else:
+                copied.append(x)
+        if on_gpu:
+            torch.cuda.synchronize()  # the copies are asynchronous: done before the step goes on
+        return tree_unflatten(copied, spec)
 
 
 class BackgroundCheckpoints:
@@ -108,11 +130,12 @@ class BackgroundCheckpoints:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._host = HostSnapshots()
 
     def save(self, root: Path, step: int, state: dict, meta: dict, keep: int) -> None:
-        self.wait()
+        self.wait()  # before the host buffers are overwritten
         started = time.perf_counter()
-        snapshot = host_copy(state)
+        snapshot = self._host.copy(state)
         log.info(
             "checkpoint step %d: state copied to host in %.1f s",
             step,
