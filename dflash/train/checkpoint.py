@@ -97,7 +97,7 @@ class HostSnapshots:
     every checkpoint. A copy overwrites the previous one: its write must be done first."""
 
     def __init__(self):
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor | None] = {}
 
     def copy(self, state):
         leaves, spec = tree_flatten(state)
@@ -106,8 +106,10 @@ class HostSnapshots:
             if isinstance(x, torch.Tensor) and x.is_cuda:
                 buffer = self._buffers.get(i)
                 if buffer is None or buffer.shape != x.shape or buffer.dtype != x.dtype:
-                    buffer = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                    self._buffers[i] = buffer
+                    buffer = self._buffers[i] = self._page_locked(x)
+                if buffer is None:  # no page-locked memory to be had: the slow copy
+                    copied.append(x.detach().to("cpu", copy=True))
+                    continue
                 buffer.copy_(x.detach(), non_blocking=True)
                 copied.append(buffer)
                 on_gpu = True
@@ -118,6 +120,14 @@ class HostSnapshots:
         if on_gpu:
             torch.cuda.synchronize()  # the copies are asynchronous: done before the step goes on
         return tree_unflatten(copied, spec)
+
+    @staticmethod
+    def _page_locked(like: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        except RuntimeError as e:  # the host cannot lock that much: copy as before, say so
+            log.warning("checkpoint: no page-locked host memory (%s); copying to pageable", e)
+            return None
 
 
 class BackgroundCheckpoints:
