@@ -28,8 +28,9 @@ from dflash.eval import ddtree
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.model.decoder import supports_static
 from dflash.model.drafter import Drafter, layer_projections, layer_rest
-from dflash.model.engine import CudaGraphs, StaticDrafterCache, StaticTarget
+from dflash.model.engine import StaticDrafterCache, StaticTarget
 from dflash.model.fused import fused
+from dflash.model.graphs import CudaGraphs, capture_seconds
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -258,10 +259,7 @@ class Generation:
     tokens: list[int]  # generated tokens (prompt excluded), ending at a stop token or the limit
     accepted: list[int] = field(default_factory=list)  # per verify round: tokens committed
     seconds: float = 0.0  # decoding after the prompt's forward (as the reference times it)
-    # CUDA graph captures (and the compiles inside them) during the decoding: one-off costs
-    # of a shape's first use, which `seconds` leaves out so that every method and stage is
-    # timed warm, whichever decoded first
-    setup_s: float = 0.0
+    setup_s: float = 0.0  # CUDA graph captures and compiles: one-off, not in `seconds`
 
     @property
     def rounds(self) -> int:
@@ -321,15 +319,9 @@ def _start(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, e
     return first, features, time.perf_counter()
 
 
-def _graph_setup_s(target, proposer: Proposer) -> float:
-    """Seconds the target's and the drafter's CUDA graphs have spent on captures so far."""
-    owners = (target, getattr(proposer, "session", None))
-    return sum(g.setup_s for o in owners if (g := getattr(o, "graphs", None)) is not None)
-
-
 def _stop_clock(gen: Generation, target, proposer: Proposer, started: float, setup: float):
     _sync(target.device)
-    gen.setup_s = _graph_setup_s(target, proposer) - setup
+    gen.setup_s = capture_seconds(target, proposer) - setup
     gen.seconds = time.perf_counter() - started - gen.setup_s
 
 
@@ -338,7 +330,7 @@ def generate(
 ) -> Generation:
     """Greedy decoding of `prompt` with drafts from `proposer`, verified by `target`."""
     first, pending, started = _start(target, proposer, prompt, max_new_tokens, proposer.block_size)
-    setup = _graph_setup_s(target, proposer)
+    setup = capture_seconds(target, proposer)
     committed = [*prompt, first]
     gen = Generation(tokens=[first])
     done = first in eos_ids or max_new_tokens <= 1
@@ -381,7 +373,7 @@ def generate_tree(
     bsz = proposer.block_size
     extra = (budget or bsz - 1) + (bsz - 1 if lookup else 0) + 1
     first, pending, started = _start(target, proposer, prompt, max_new_tokens, extra)
-    setup = _graph_setup_s(target, proposer)
+    setup = capture_seconds(target, proposer)
     committed = [*prompt, first]
     gen = Generation(tokens=[first])
     done = first in eos_ids or max_new_tokens <= 1
