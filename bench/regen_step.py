@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.model.engine import BatchedGreedy  # noqa: E402
+from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
 SHAPES = [(256, 2560), (256, 1024), (512, 768), (512, 1024), (512, 1536), (512, 2560)]
 
@@ -42,21 +43,6 @@ def shape(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: want BATCHxCAPACITY, e.g. 512x2560") from None
     return batch, capacity
-
-
-def kv_bytes_per_token(model) -> int:
-    """Keys and values of one token in every layer."""
-    c = model.config
-    dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * dim * 2  # bf16
-
-
-def read_weight_bytes(model) -> int:
-    """The weights a decode step reads: all but the input embedding table (one row a token)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    tied = embed is model.get_output_embeddings().weight
-    return total if tied else total - embed.numel() * embed.element_size()
 
 
 def timed(fn, n: int) -> float:
@@ -141,7 +127,7 @@ def main():
             "compiled": compiled == "1", "first_step_s": round(first_s, 2),
             "step_ms": round(step_s * 1e3, 3), "not_graphed_ms": round(eager * 1e3, 3),
             "tokens_per_s": round(batch / step_s),
-            "weights_gb": round(read_weight_bytes(model) / 1e9, 2),
+            "weights_gb": round(decode_weight_bytes(model) / 1e9, 2),
             # each row's cache up to its position, keys and values of every layer
             "kv_gb": round(float(spread.add(1).sum()) * kv_bytes_per_token(model) / 1e9, 2),
         }  # fmt: skip

@@ -34,8 +34,8 @@ from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
-from dflash.model.decoder import head_dim, supports_static
-from dflash.model.memory import peak_memory_gb
+from dflash.model.decoder import supports_static
+from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token, peak_memory_gb
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +231,7 @@ def decode_roofline(model, tiers: list[dict], elapsed: float) -> dict:
     spec = next((v for k, v in GPUS.items() if k in name), None)
     if spec is None:
         return {}
-    embed = model.get_input_embeddings().weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
-    if model.get_output_embeddings().weight is embed:  # tied: the LM head reads it every step
-        weights += embed.numel() * embed.element_size()
-    config = model.config
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads
-    per_token *= head_dim(config) * embed.element_size()
+    weights, per_token = decode_weight_bytes(model), kv_bytes_per_token(model)
     steps = sum(t["steps"] for t in tiers)
     kv_reads = sum(t["kv_reads"] for t in tiers)
     seconds = (steps * weights + kv_reads * per_token) / (spec["tb_s"] * 1e12)

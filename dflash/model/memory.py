@@ -75,3 +75,21 @@ def peak_memory_gb() -> float | None:
     return round(
         max(map(torch.cuda.max_memory_allocated, range(torch.cuda.device_count()))) / 1e9, 1
     )
+
+
+def decode_weight_bytes(model) -> int:
+    """The weights a decode step reads: all but the input embedding table (one row a token),
+    which the LM head reads whole where it is tied."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def kv_bytes_per_token(model) -> int:
+    """Keys and values of one cached token in every layer, in the model's dtype."""
+    from dflash.model.decoder import head_dim
+
+    c = model.config
+    size = model.get_input_embeddings().weight.element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * size
