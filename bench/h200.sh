@@ -7,11 +7,14 @@
 #   bash bench/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
 #   bash bench/h200.sh start8b DIR        # the 8B rehearsal: DIR (.carry8b) staged, then start
 #                                         # config/rehearsal-8b.yaml, GPU memory and disk sampled
-#   bash bench/h200.sh start CONFIG       # cache, then snakemake all
-#                                         # (or the targets in $TARGETS)
+#   bash bench/h200.sh start CONFIG...    # cache, then snakemake all --keep-going with the config
+#                                         # files, later over earlier (or the targets in $TARGETS;
+#                                         # $PRIORITIZE: a file Snakemake makes first)
 #                                         # under setsid (a killed run is unlocked and resumed)
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
-#   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed
+#   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
+#                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
+#                                         # finds vLLM from its next job on, its other packages kept
 #   bash bench/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
 #                                         # e.g. regenerated data) into results/: bench/stages.sh
 #                                         # then skips the stages whose outputs they are
@@ -20,7 +23,7 @@
 # c + MT-Bench), sqlalchemy (Snakemake needs it; it did not fit in .whl), then start + wait.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:/tmp/vllm-site PYTHONUNBUFFERED=1
 RUN=/tmp/dflash-run
 mkdir -p "$RUN" /tmp/stage
 
@@ -67,7 +70,8 @@ start8b)  # config/rehearsal-8b.yaml: the carried folder staged, SQLAlchemy inst
   ;;
 start)
   bash "$0" cache
-  SMK=(python3 -m snakemake --cores all --scheduler greedy ${TARGETS:-all} --configfile "$2")
+  SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
+    ${PRIORITIZE:+--prioritize "$PRIORITIZE"} --configfile "${@:2}")
   "${SMK[@]}" --unlock > /dev/null 2>&1 || true
   echo "start $(date +%s)" >> "$RUN/events"
   setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
@@ -77,7 +81,7 @@ vllm)  # the vLLM bundle carried in parts (../shared/tools/vllm-wheels.sh DIR, t
   # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
   cat /tmp/stage/vllm-bundle.tar.part-* | tar x -C /tmp/stage && rm /tmp/stage/vllm-bundle.tar.part-*
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site /tmp/stage/wheels/*.whl
+    --target /tmp/vllm-site /tmp/stage/wheels/*.whl
   python3 -c "import vllm; print('vllm', vllm.__version__)"
   ;;
 unpack)
