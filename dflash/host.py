@@ -278,6 +278,7 @@ class HostMonitor:
         host = {
             "cpus": self.cpus,
             "other_cpu_fraction": round(statistics.fmean(other), 3) if other else None,
+            "cpu_samples": len(other),
         }
         return host | gpu if gpu else host
 
@@ -303,6 +304,8 @@ def summarize_host(windows: list[dict]) -> dict | None:
         "cpus": windows[-1].get("cpus"),
         "other_cpu_fraction": round(statistics.fmean(other), 3) if other else None,
         "other_cpu_fraction_max": max(other, default=None),
+        # seconds sampled: a few say little (whatever else started in them), `compare` needs more
+        "other_cpu_samples": sum(w.get("cpu_samples", 0) for w in windows),
         # the median: a sample taken while the GPUs wait (a checkpoint write) reads idle clocks
         "gpu_sm_clock_fraction": statistics.median(clocks) if clocks else None,
         "gpu_temperature_c_max": max(temps, default=None),

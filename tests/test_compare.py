@@ -33,8 +33,9 @@ def test_what_one_side_did_not_record_is_not_a_cause():
     assert compare(older, record())["causes"] == []
 
 
-def host(other_cpu: float, **gpu) -> dict:
-    return {"cpus": 2, "other_cpu_fraction": other_cpu, "gpu_throttle": [], **gpu}
+def host(other_cpu: float, samples: int = 600, **gpu) -> dict:
+    return {"cpus": 2, "other_cpu_fraction": other_cpu, "other_cpu_samples": samples,
+            "gpu_throttle": [], **gpu}  # fmt: skip
 
 
 def throughput(tokens_per_s: float, host_record: dict) -> dict:
@@ -54,6 +55,19 @@ def test_a_busier_host_explains_a_slowdown_and_noise_or_a_quieter_host_does_not(
         train=throughput(500.0, host(0.05)),
     )
     assert [c["kind"] for c in compare(busy, edited)["causes"]] == ["code", "host"]
+
+
+def test_a_few_seconds_of_cpu_samples_are_no_evidence_of_a_busier_host():
+    """A run of a few steps samples the CPUs once or twice: whatever else started then is not
+    the host's load (two 3-step test runs read 0 % and 43 % on one machine)."""
+    a = record(train=throughput(1000.0, host(0.0, samples=2)))
+    assert compare(a, record(train=throughput(600.0, host(0.43, samples=3))))["causes"] == []
+    assert compare(a, record(train=throughput(600.0, host(0.43, samples=900))))["causes"] == []
+    long_a = record(train=throughput(1000.0, host(0.0, samples=900)))
+    (verdict,) = compare(long_a, record(train=throughput(600.0, host(0.43, samples=900))))[
+        "most_likely"
+    ]
+    assert verdict["summary"] == "CPU time used by other processes 0% → 43%"
 
 
 def test_gpu_throttling_and_a_foreign_process_are_host_causes():

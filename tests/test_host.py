@@ -102,7 +102,7 @@ def test_without_nvml_the_monitor_samples_cpus_only(monkeypatch):
     monitor = HostMonitor(["GPU-aaaa-0001"])
     try:
         assert len(monitor._threads) == 1
-        assert set(monitor.window()) == {"cpus", "other_cpu_fraction"}
+        assert set(monitor.window()) == {"cpus", "other_cpu_fraction", "cpu_samples"}
     finally:
         monitor.close()
 
