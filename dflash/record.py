@@ -42,6 +42,7 @@ VOLATILE = (
     "artefacts.train/summary.json",
     "artefacts.eval/acceptance.json",
     "artefacts.eval/ddtree.json",
+    "artefacts.eval/vllm.json",
     "artefacts.summary.md",
     "artefacts.report/throughput.png",
     "artefacts.report/ddtree.png",
@@ -50,6 +51,7 @@ VOLATILE = (
     "artefacts.manifests/train.json",
     "artefacts.manifests/eval_acceptance.json",
     "artefacts.manifests/eval_ddtree.json",
+    "artefacts.manifests/eval_vllm.json",
 )
 
 # Working state under results/ that no rule declares as an output: never recorded or verified.
@@ -206,10 +208,10 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
     }
 
 
-def eval_summary(acceptance: dict, ddtree: dict) -> dict:
+def eval_summary(acceptance: dict, ddtree: dict, vllm: dict | None = None) -> dict:
     methods = {"drafter": acceptance, **acceptance["baselines"]}
     trees = {f"{r['budget']}{'+lookup' if r.get('lookup') else ''}": r for r in ddtree["results"]}
-    return {
+    summary = {
         "quality": {
             "tau_macro": {name: m["tau_macro"] for name, m in methods.items()},
             "tau_pooled": {name: m["tau_pooled"] for name, m in methods.items()},
@@ -228,6 +230,10 @@ def eval_summary(acceptance: dict, ddtree: dict) -> dict:
             "ddtree_speedup": {b: r["speedup"] for b, r in trees.items()},
         },
     }
+    if vllm:  # eval_vllm ran: the serving engine's acceptance length and speedups
+        summary["quality"]["vllm"] = {"version": vllm["vllm"], **vllm["acceptance_length"]}
+        summary["speed"]["vllm_speedup"] = {c: s["speedup"] for c, s in vllm["tokens_per_s"].items()}
+    return summary
 
 
 def topology_summary(train: dict) -> dict:
@@ -240,8 +246,10 @@ def topology_summary(train: dict) -> dict:
     }
 
 
-def result_summaries(results: Path) -> dict:
-    """The data, train and eval sections of a record, for the outputs the folder holds."""
+def result_summaries(results: Path, vllm: bool = True) -> dict:
+    """The data, train and eval sections of a record, for the outputs the folder holds
+    (`vllm` False: not eval/vllm.json, left by an earlier config, where this run has no
+    eval_vllm)."""
     sections = {}
     if (stats := results / "data/stats/stats.json").exists():
         sections["data"] = data_summary(read_json(stats))
@@ -250,7 +258,12 @@ def result_summaries(results: Path) -> dict:
         sections["train"] = train_summary(read_json(summary), [json.loads(x) for x in lines])
     acceptance, ddtree = results / "eval/acceptance.json", results / "eval/ddtree.json"
     if acceptance.exists() and ddtree.exists():
-        sections["eval"] = eval_summary(read_json(acceptance), read_json(ddtree))
+        served = results / "eval/vllm.json"
+        sections["eval"] = eval_summary(
+            read_json(acceptance),
+            read_json(ddtree),
+            read_json(served) if vllm and served.exists() else None,
+        )
     return sections
 
 
@@ -320,7 +333,7 @@ def build_record(
         "config_sha256": sha256_json(config),
         "config": config,
         "topology": topology_summary(config["train"]),
-        **result_summaries(results),
+        **result_summaries(results, vllm=results / "eval/vllm.json" in map(Path, outputs)),
     }
     # what the run read, made once under resources/ for every run that names it
     record["inputs"] = {name: input_record(results, f) for name, f in sorted(inputs.items())}

@@ -96,6 +96,11 @@ def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(
     before = flow.planned_jobs("all", config="stale.yaml")
     assert {"train", "eval_acceptance", "eval_ddtree"} <= before.keys()
     assert flow.planned_jobs("all", config="vllm.yaml") == {**before, "eval_vllm": 1}
+    # the run record hashes what eval_vllm writes, as every other stage's outputs
+    dry = flow.run("-n", "all", config="vllm.yaml").stdout
+    record_inputs = dry.split("rule record:")[1].split("output:")[0]
+    assert "results/eval/vllm.json" in record_inputs
+    assert "results/manifests/eval_vllm.json" in record_inputs
     # eval.vllm is not a param of the evaluation it is compared with
     changed = flow.run("--list-changes", "params", config="vllm.yaml").stdout
     assert "eval/acceptance.json" not in changed and "eval/ddtree.json" not in changed

@@ -300,6 +300,8 @@ def recorded_rules():
     conversion is an input of the run, recorded as one)."""
     names = ["expand_dataset", "tokenize", "length_stats", "warmup_compile", "train"]
     names += ["eval_acceptance", "eval_ddtree", "report"]
+    if WITH_VLLM:  # eval.smk, included before the record rule calls this
+        names.append("eval_vllm")
     if config["data"]["regenerate"]["enabled"]:
         names += ["regenerate_shard", "regenerate"]
     return names
