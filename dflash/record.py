@@ -232,7 +232,9 @@ def eval_summary(acceptance: dict, ddtree: dict, vllm: dict | None = None) -> di
     }
     if vllm:  # eval_vllm ran: the serving engine's acceptance length and speedups
         summary["quality"]["vllm"] = {"version": vllm["vllm"], **vllm["acceptance_length"]}
-        summary["speed"]["vllm_speedup"] = {c: s["speedup"] for c, s in vllm["tokens_per_s"].items()}
+        summary["speed"]["vllm_speedup"] = {
+            c: s["speedup"] for c, s in vllm["tokens_per_s"].items()
+        }
     return summary
 
 
