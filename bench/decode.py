@@ -121,6 +121,11 @@ def main() -> None:
         help="time every prompt from a cold start, as the eval stages do (the clock leaves out "
         "CUDA graph captures and compiles: graph_setup_s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--capacity", type=int, default=0,
+        help="grow the static caches to this many rows first (as a long prompt earlier in an "
+        "eval stage leaves them): whether a round's cost follows the capacity, not the length",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, drafter, encoded, stop = (random_setup if args.target_config else real_setup)(
@@ -138,6 +143,9 @@ def main() -> None:
             print(f"skipping static: {model.config.model_type} has no static decoder")
             continue
         session = SESSIONS[name](model, drafter.config.target_layer_ids)
+        if args.capacity:
+            session.reset(args.capacity)
+            proposers["drafter"].start([], None, args.capacity)
         for method in args.methods.split(","):
             decode = decoder(method, proposers)
             if not args.no_warmup:
@@ -152,6 +160,7 @@ def main() -> None:
             row = {
                 "session": name,
                 "method": method,
+                "capacity": getattr(getattr(session, "engine", None), "capacity", None),
                 "prompts": len(gens),
                 "tokens": decoded,
                 "seconds": round(seconds, 3),

@@ -13,8 +13,9 @@ import yaml
 from conftest import Workflow
 
 from dflash.errors import UserError
+from dflash.eval.metrics import text_digest
 from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters, difference
-from dflash.eval.vllm_stage import compare, summary_section
+from dflash.eval.vllm_stage import compare, same_text, summary_section
 
 
 def test_counters_differenced_over_a_request():
@@ -57,7 +58,7 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
     acceptance = json.loads((second_workflow.results / "eval/acceptance.json").read_text())
     sets = list(dict.fromkeys(acceptance["per_prompt"]["sets"]))
     served, alone = served_like(acceptance, {sets[-1]: 1.1})
-    record = compare(served, alone, acceptance)
+    record = compare(served, alone, acceptance, stop={2})
 
     assert record["per_prompt"]["ids"] == acceptance["per_prompt"]["ids"]
     for i, tau in enumerate(acceptance["per_prompt"]["methods"]["drafter"]["tau"]):
@@ -76,7 +77,40 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
 
     served["prompts"][0]["id"] = "not-a-prompt-of-this-run"
     with pytest.raises(UserError, match="not-a-prompt-of-this-run"):
-        compare(served, alone, acceptance)
+        compare(served, alone, acceptance, stop={2})
+
+
+def test_the_prompts_where_vllm_decoded_our_drafters_text_are_compared_apart():
+    """vLLM's acceptance length beside ours only where both decoded the same tokens (vLLM
+    returns the stop token, our digest leaves it out either way), and how often vLLM's target
+    alone decoded our target's text."""
+    stop = {2}
+    ours_tokens = {"a": [5, 6, 7, 2], "b": [5, 6, 8], "c": [9, 9, 9, 9]}
+    ours = {
+        "ids": ["a", "b", "c"],
+        "target": {"text": [text_digest(t, stop) for t in ([5, 6, 7], [5, 6, 8], [9, 9, 1])]},
+        "methods": {
+            "drafter": {
+                "text": [text_digest(ours_tokens[i], stop) for i in "abc"],
+                "tau": [2.0, 3.0, 4.0],
+            }
+        },
+    }
+
+    def row(pid, tokens, drafts, accepted):
+        return {"id": pid, "tokens": tokens, "drafts": drafts, "accepted": accepted}
+
+    rows = [row("a", [5, 6, 7], 2, 3), row("b", [5, 6, 8, 2], 1, 1), row("c", [9, 9, 3], 1, 3)]
+    alone = [row("a", [5, 6, 7, 2], 0, 0), row("b", [5, 7], 0, 0), row("c", [9, 9, 1], 0, 0)]
+    assert same_text(rows, alone, ours, stop) == {
+        "prompts": 2,  # a and b; c parted from our drafter's text
+        "of": 3,
+        "vllm_macro": 2.25,  # (2.5 + 2.0) / 2
+        "ours_macro": 2.5,
+        "target_alone_same": 2,  # a and c
+    }
+    del ours["methods"]["drafter"]["text"]  # an acceptance.json from before the digests
+    assert same_text(rows, alone, ours, stop) is None
 
 
 def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(

@@ -9,7 +9,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
+
+
+def text_digest(tokens: list[int], stop: set[int]) -> str:
+    """A short fingerprint of one output's token ids, a final stop token left out (engines
+    differ in whether they return it): two engines decoded the same text where theirs agree
+    (eval_vllm sets vLLM's outputs against ours by it)."""
+    tokens = list(tokens)
+    if tokens and tokens[-1] in stop:
+        tokens.pop()
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
 def acceptance(per_prompt: list[list[int]], block_size: int) -> dict:

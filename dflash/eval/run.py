@@ -43,7 +43,7 @@ import torch
 from dflash.errors import UserError
 from dflash.eval.decode import DrafterProposer, Generation
 from dflash.eval.lossless import divergence, judge
-from dflash.eval.metrics import acceptance
+from dflash.eval.metrics import acceptance, text_digest
 from dflash.eval.predicted import simulated, teacher_forced_tau
 from dflash.eval.setup import LookupProposer, Setup
 from dflash.io import write_json
@@ -58,19 +58,27 @@ log = logging.getLogger(__name__)
 WITH_LOOKUP = "drafter+lookup"
 
 
-def per_prompt(prompts, gens: dict[str, list[Generation]]) -> dict:
+def per_prompt(prompts, gens: dict[str, list[Generation]], stop: set[int]) -> dict:
     """Each method's τ per prompt and whether it decoded the target's own text (`same`): in bf16
     methods that part from it at near ties are judged on different text, and a macro τ over few
-    prompts can turn on one that loops; this says which prompts a method wins, and on what."""
+    prompts can turn on one that loops; this says which prompts a method wins, and on what.
+    `text`: each output's digest (another engine's output is compared with it); `seconds`: its
+    decoding clock, so a stage's rate can be taken apart prompt by prompt."""
     reference = gens["target"]
     return {
         "ids": [p.id for p in prompts],
         "sets": [p.set_name for p in prompts],
+        "target": {
+            "text": [text_digest(g.tokens, stop) for g in reference],
+            "seconds": [round(g.seconds, 4) for g in reference],
+        },
         "methods": {
             name: {
                 "tau": [round(statistics.fmean(g.accepted), 3) if g.accepted else None for g in gs],
                 "tokens": [len(g.tokens) for g in gs],
                 "same": [g.tokens == r.tokens for g, r in zip(gs, reference, strict=True)],
+                "text": [text_digest(g.tokens, stop) for g in gs],
+                "seconds": [round(g.seconds, 4) for g in gs],
             }
             for name, gs in gens.items()
             if name != "target"
@@ -199,7 +207,7 @@ def run(args) -> None:
         **setup.sha,
         "reference_sha256": tokens_sha256(gens["target"]),
         "lossless": min(r["overall"]["lossless"] for r in results.values()),
-        "per_prompt": per_prompt(setup.prompts, gens),
+        "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
@@ -270,6 +278,8 @@ def run_ddtree(args) -> None:
         "results": rows,
         **setup.sha,
         "lossless": min(r["lossless"] for r in rows),
+        # the same fields as acceptance.json's: a prompt's clock in both stages side by side
+        "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)

@@ -154,13 +154,18 @@ class Setup:
 def log_generations(name: str, gens: list[Generation]) -> None:
     tokens = sum(sum(g.accepted) for g in gens)
     seconds = sum(g.seconds for g in gens)
+    rounds = sum(g.rounds for g in gens)
     log.info(
-        "%s: %d tokens in %.1f s (%.1f tokens/s), %d prompts; CUDA graph captures and compiles "
-        "%.1f s more, not counted",
+        "%s: %d tokens in %.1f s (%.1f tokens/s, %.3f ms a round), %d prompts; CUDA graph "
+        "captures and compiles %.1f s more, not counted; torch.compile graphs so far: %s",
         name,
         tokens,
         seconds,
         tokens / seconds if seconds else 0.0,
+        1000 * seconds / rounds if rounds else 0.0,
         len(gens),
         sum(g.setup_s for g in gens),
+        # which shapes the fused decode layers were compiled for, and when: a round's cost can
+        # depend on the first multi-token shape a process met (dynamic shapes from then on)
+        torch._dynamo.utils.counters["stats"].get("unique_graphs", 0),
     )

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash.errors import UserError
+from dflash.eval.metrics import text_digest
 from dflash.io import write_json
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,29 @@ def _pct(ours: float | None, theirs: float | None) -> float | None:
     return round(100 * (theirs - ours) / ours, 2) if ours and theirs is not None else None
 
 
-def compare(served: dict, target_alone: dict, acceptance: dict) -> dict:
+def same_text(rows, alone, ours: dict, stop: set[int]) -> dict | None:
+    """Where vLLM decoded exactly the text our evaluation's drafter decoded, the two acceptance
+    lengths are judged on the same tokens and differ only by the drafter's arithmetic in each
+    engine; elsewhere the texts parted at a near tie (bf16) and τ was measured on other text.
+    None for an acceptance.json without per-prompt digests (older runs)."""
+    texts = ours["methods"]["drafter"].get("text")
+    if texts is None:
+        return None
+    taus = ours["methods"]["drafter"]["tau"]
+    mine = dict(zip(ours["ids"], zip(texts, taus, strict=True), strict=True))
+    targets = dict(zip(ours["ids"], ours["target"]["text"], strict=True))
+    idx = [i for i, r in enumerate(rows) if text_digest(r["tokens"], stop) == mine[r["id"]][0]]
+    return {
+        "prompts": len(idx),
+        "of": len(rows),
+        "vllm_macro": _macro(acceptance_length([rows[i]]) for i in idx),
+        "ours_macro": _macro(mine[rows[i]["id"]][1] for i in idx),
+        # vLLM's target alone against ours: how often the two engines' greedy texts agree at all
+        "target_alone_same": sum(text_digest(a["tokens"], stop) == targets[a["id"]] for a in alone),
+    }
+
+
+def compare(served: dict, target_alone: dict, acceptance: dict, stop: set[int]) -> dict:
     """vLLM's figures beside the evaluation's (`acceptance.json`) on the same prompts."""
     rows = served["prompts"]
     ours = acceptance["per_prompt"]
@@ -94,6 +117,7 @@ def compare(served: dict, target_alone: dict, acceptance: dict) -> dict:
             "diff_pct_pooled": _pct(acceptance["tau_pooled"], acceptance_length(rows)),
         },
         "sets": sets,
+        "same_text": same_text(rows, target_alone["prompts"], ours, stop),
         "per_position": [round(n / drafts, 4) for n in positions] if drafts else [],
         "identical_to_target_alone": round(
             statistics.fmean(r["tokens"] == alone.get(r["id"]) for r in rows), 4
@@ -166,7 +190,8 @@ def run(args) -> None:
     with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
         alone = _serve({**request, "drafter": None}, Path(tmp), "target alone")
         served = _serve(request, Path(tmp), "target with the drafter")
-    record = compare(served, alone, json.loads(Path(args.acceptance).read_text()))
+    acceptance = json.loads(Path(args.acceptance).read_text())
+    record = compare(served, alone, acceptance, set(request["eos_ids"]))
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
     if args.manifest:
@@ -213,4 +238,13 @@ def summary_section(record: dict) -> str:
             f"{pct(s['diff_pct_macro'])} | {s['vllm_pooled']} | {s['ours_pooled']} | "
             f"{pct(s['diff_pct_pooled'])} |"
         )
+    if same := record.get("same_text"):
+        lines += [
+            "",
+            f"On the {same['prompts']} of {same['of']} prompts where vLLM decoded exactly our "
+            f"drafter's text, acceptance length {same['vllm_macro']} (vLLM) against "
+            f"{same['ours_macro']} (ours), macro; elsewhere the texts parted at a near tie and τ "
+            f"was judged on other tokens. vLLM's target alone decoded our target's text on "
+            f"{same['target_alone_same']} of {same['of']} prompts.",
+        ]
     return "\n".join(lines) + "\n"
