@@ -152,3 +152,65 @@ def test_static_engine_regenerates_what_transformers_generate_does(
         assert 0 < s["busy_rows"] <= 1 and s["steps"] > 0
         assert s["kv_reads"] > s["steps"]  # each busy row reads its prompt and answer so far
         assert s["setup_s"] + s["prefill_s"] + s["wait_s"] <= s["wall_s"] + 0.01
+
+
+def test_turn_waves_regenerate_what_transformers_generate_does(target_dir, tiny_workflow):
+    """The vLLM engine's conversation logic (`regenerate_waves`), driven here by transformers'
+    `generate` on CPU in fp32, since vLLM needs a GPU: every conversation's turns come out as
+    `regenerate_batch` gives them, later turns after the target's own answers, a turn whose
+    prompt fills max_prompt ending its conversation, each conversation reported once when done."""
+    from dflash.data.expand import read_rows
+    from dflash.data.generation import Generator, _prompt_ids, regenerate_batch
+    from dflash.data.regen_vllm import regenerate_waves
+
+    rows = read_rows(tiny_workflow.results / "data" / "expanded" / "train.parquet")
+    rows += read_rows(tiny_workflow.results / "data" / "expanded" / "eval.parquet")
+    gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10)
+    full = [_prompt_ids(gen.tokenizer, r["conversations"][:-1], 1 << 20) for r in rows]
+    max_prompt = sorted(map(len, full))[-2]
+    convs, hf_tokens = regenerate_batch(gen, rows, max_prompt)
+
+    class Turns:  # VllmTurns' interface over the same model
+        tokenizer = gen.tokenizer
+
+        def answer(self, prompts):
+            return [gen.generate([p])[0] for p in prompts]  # one at a time: no padding
+
+    got = {}
+
+    def done(conv):
+        assert conv.row["id"] not in got
+        got[conv.row["id"]] = conv.result()
+
+    tokens = regenerate_waves(Turns(), rows, max_prompt, done)
+    assert got == {c.row["id"]: c.result() for c in convs}
+    assert tokens == hf_tokens
+    assert any(len(c.turn_ids) > 1 for c in convs) and sum(c.dropped_turns for c in convs) >= 1
+
+
+def test_vllm_completions_read_as_our_engines_give_them():
+    """A finished answer ends with its stop token whether vLLM returned it or only named it as
+    the stop reason; an answer cut at max_new_tokens is not finished."""
+    from types import SimpleNamespace
+
+    from dflash.data.regen_vllm import finished_ids
+
+    def done(ids, reason, stop=None):
+        return SimpleNamespace(token_ids=ids, finish_reason=reason, stop_reason=stop)
+
+    eos = [2, 7]
+    assert finished_ids(done([5, 6, 7], "stop"), eos) == ([5, 6, 7], True)
+    assert finished_ids(done([5, 6], "stop", stop=7), eos) == ([5, 6, 7], True)
+    assert finished_ids(done([5, 6], "stop"), eos) == ([5, 6, 2], True)  # the EOS, unnamed
+    assert finished_ids(done([5, 6, 9], "length"), eos) == ([5, 6, 9], False)
+
+
+def test_the_vllm_engine_without_vllm_stops_with_a_clear_message(tiny_workflow, tmp_path):
+    rows = tiny_workflow.results / "data" / "expanded" / "train.parquet"
+    run = regenerate(tiny_workflow.target / "hf", rows, tmp_path / "out.parquet",
+                     tmp_path / "w", engine="vllm")  # fmt: skip
+    assert run.wait() != 0
+    err = run.stderr.read().decode()
+    assert "data.regenerate.engine: vllm" in err and "vLLM is not installed" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.parquet").exists() and not (tmp_path / "w").exists()

@@ -25,10 +25,11 @@ RELEVANCE = {
 # clock this much lower, a new throttle reason or another process on the GPUs.
 BUSIER_HOST = 0.25
 SLOWER_CLOCK = 0.1
-# One-second CPU samples a run needs before its share of other work counts: a run of a few steps
-# has one or two, which catch whatever else happened to start in them (a 3-step test run read 0 %
-# beside 43 % on one loaded machine).
-MIN_CPU_SAMPLES = 30
+# One-second CPU samples the busier run needs before its share of other work counts as a busier
+# host: a run of a few steps has one to three, which catch whatever else happened to start in
+# them (two 3-step test runs read 0 % and 43 % on one machine). A quiet reading needs no such
+# length: a test's 2-sample quiet run against 11 samples at 81 % beside busy loops is a busier host.
+MIN_CPU_SAMPLES = 5
 
 # Code and config that cannot touch training (evaluation, reporting, file locations).
 EVAL_ONLY_CODE = ("dflash/eval/", "dflash/record.py", "dflash/compare/", "dflash/verify.py")
@@ -196,8 +197,9 @@ def host_cause(a, b) -> dict | None:
         return None  # not recorded on one side: unknown
     details, signs = [], set()
     oa, ob = ha.get("other_cpu_fraction"), hb.get("other_cpu_fraction")
+    busier = hb if is_number(oa) and is_number(ob) and ob > oa else ha
     # records from before the count was kept: taken as sampled long enough
-    sampled = all(h.get("other_cpu_samples", MIN_CPU_SAMPLES) >= MIN_CPU_SAMPLES for h in (ha, hb))
+    sampled = busier.get("other_cpu_samples", MIN_CPU_SAMPLES) >= MIN_CPU_SAMPLES
     if sampled and is_number(oa) and is_number(ob) and abs(ob - oa) >= BUSIER_HOST:
         details.append(f"CPU time used by other processes {oa:.0%} → {ob:.0%}")
         signs.add(1 if ob > oa else -1)

@@ -6,7 +6,8 @@ fixed batches planned from the whole shard (rows sorted by prompt length to limi
 finished batch is saved atomically in a work folder outside Snakemake's declared outputs. A killed
 run resumes at the first unfinished batch with the same batch composition, so its output is the
 same as an uninterrupted run's, with no row lost or duplicated. Shards split rows by `id`, never by
-position. The decoding itself is `dflash.data.generation`.
+position. The decoding itself is `dflash.data.generation` (transformers' `generate`, or the static
+engine with rows refilled as they finish) or `dflash.data.regen_vllm` (vLLM, where installed).
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from dflash.data.generation import (
     regenerate_batch,
     regenerate_continuous,
 )
+from dflash.data.regen_vllm import VllmTurns, regenerate_waves, require_vllm, visible_gpu
 from dflash.data.sources import DataError
 from dflash.errors import UserError
 from dflash.filehash import HashCache
+from dflash.gpus import claim_gpu
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
 from dflash.manifest import code_hash, environment_hash, write_manifest
 from dflash.model.decoder import supports_static
@@ -112,12 +115,10 @@ def _run_batches(gen, plan, by_id, workdir, max_prompt, progress) -> list[dict]:
     return done
 
 
-def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress, tiers) -> list[dict]:
-    """The static engine with rows refilled as they finish; finished conversations are saved
-    in parts of `batch_size`. A resumed run skips the saved ones (a row's tokens depend only on
-    its own prompt, so the rest come out as in an uninterrupted run). Each prompt tier's
-    timings are appended to `tiers`."""
-    batch_size = params["batch_size"]
+def _run_saving_done(plan, by_id, workdir, batch_size, progress, decode) -> list[dict]:
+    """`decode(rows, on_done)` over the rows not saved yet, finished conversations saved in parts
+    of `batch_size` as they complete. A resumed run skips the saved ones (a row's tokens depend
+    only on its own prompt, so the rest come out as in an uninterrupted run)."""
     parts = sorted(workdir.glob("done-*.jsonl"))
     done = [r for part in parts for r in _load_part(part) if r["id"] in by_id]
     progress(done, [], 0)
@@ -139,10 +140,7 @@ def _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress, tie
             flush()
 
     if todo:
-        # the batch is fixed (not cut to what is left) so that every step has the same shape
-        regenerate_continuous(
-            gen, todo, max_prompt, on_done, batch_size, attention=params["attention"], stats=tiers
-        )
+        decode(todo, on_done)
         if pending:
             flush()
     return done
@@ -165,9 +163,19 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     tokens (the training length) ends its conversation there."""
     rows = [r for r in read_rows(args.input) if in_shard(r["id"], args.shard, args.shards)]
     by_id = {r["id"]: r for r in rows}
-    gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"])
+    served = params["engine"] == "vllm"
+    if served:
+        require_vllm()  # before a GPU is claimed or anything loads
+        device = claim_gpu() if params["device"] == "auto" else torch.device(params["device"])
+        visible_gpu(device)
+        max_len = max_prompt + params["max_new_tokens"]
+        gen = VllmTurns(args.target, params["dtype"], params["max_new_tokens"], max_len)
+        dtype = torch.bfloat16 if params["dtype"] == "auto" else getattr(torch, params["dtype"])
+    else:
+        gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"])
+        device, dtype = gen.device, gen.dtype
     # what `auto` resolved to is part of the work's identity: other hardware, other tokens
-    resolved = {"max_prompt": max_prompt, "torch_dtype": str(gen.dtype), "on": gen.device.type}
+    resolved = {"max_prompt": max_prompt, "torch_dtype": str(dtype), "on": device.type}
     hashes = HashCache(expand_user(args.config["cache_dir"]))
     workdir = args.workdir / _fingerprint(
         args.input, args.target, {**params, **resolved}, args.shard, args.shards, hashes
@@ -179,7 +187,7 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     else:
         plan = plan_batches(rows, gen.tokenizer, params["batch_size"], max_prompt)
         write_json(plan_file, plan)
-    static = use_static_engine(params["engine"], gen.model)
+    static = not served and use_static_engine(params["engine"], gen.model)
     counts = {"new_tokens": 0, "dropped_turns": 0}
     started = time.perf_counter()
     bar = tqdm(total=len(rows), desc=f"regenerate shard {args.shard}/{args.shards}", unit="row")
@@ -190,9 +198,19 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         bar.update(len(rows_done))
         bar.set_postfix(tok_s=f"{counts['new_tokens'] / (time.perf_counter() - started):.0f}")
 
-    tiers: list[dict] = []
-    if static:
-        done = _run_continuous(gen, plan, by_id, workdir, params, max_prompt, progress, tiers)
+    tiers: list[dict] = []  # where the static engine's time went, per prompt tier
+
+    def continuous(todo, on_done):
+        # the batch is fixed (not cut to what is left) so that every step has the same shape
+        regenerate_continuous(gen, todo, max_prompt, on_done, params["batch_size"],
+                              attention=params["attention"], stats=tiers)  # fmt: skip
+
+    def waves(todo, on_done):
+        regenerate_waves(gen, todo, max_prompt, on_done)
+
+    if served or static:
+        decode = waves if served else continuous
+        done = _run_saving_done(plan, by_id, workdir, params["batch_size"], progress, decode)
     else:
         done = _run_batches(gen, plan, by_id, workdir, max_prompt, progress)
     bar.close()
@@ -203,8 +221,8 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         pl.DataFrame(done, schema=REGENERATED_SCHEMA).write_parquet(tmp, statistics=False)
     rate = {
         "rows": len(done),
-        "engine": "static" if static else "hf",
-        "dtype": str(gen.dtype).removeprefix("torch."),
+        "engine": engine_name(served, static),
+        "dtype": str(dtype).removeprefix("torch."),
         "new_tokens_this_run": counts["new_tokens"],
         "turns_dropped_past_max_length_this_run": counts["dropped_turns"],
         "seconds": round(elapsed, 2),
@@ -217,6 +235,14 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     for tier in tiers:  # where the static engine's time went
         log.info("regenerate: prompt tier %s", tier)
     return rate
+
+
+def engine_name(served: bool, static: bool) -> str:
+    if served:
+        import vllm
+
+        return f"vllm {vllm.__version__}"
+    return "static" if static else "hf"
 
 
 def decode_roofline(model, tiers: list[dict], elapsed: float) -> dict:

@@ -1,0 +1,117 @@
+"""Regeneration through vLLM (`data.regenerate.engine: vllm`): the same conversations, turn by
+turn after the target's own earlier answers, with vLLM's scheduler and kernels doing the decoding.
+
+Turns go in waves: every conversation's next assistant turn at once (`LLM.generate` batches and
+schedules them itself, prefix caching reusing each conversation's earlier turns), then the next
+turns of the conversations that have more. A conversation is saved as soon as its last turn is
+answered, in the same `done-*.jsonl` parts as the static engine's, so a killed run resumes
+without redoing it. Greedy in both engines, but not the same arithmetic: the tokens agree with
+ours until a near tie (bf16) parts them; BENCHMARKS.md says how far they agree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+from dflash.data.generation import Conversation
+from dflash.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# what vLLM may take of the GPU it is given: the rest is for CUDA's context and our own process
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "data.regenerate.engine: vllm, but vLLM is not installed here (`import vllm` "
+            "fails). Install it (docs/serving.md says which version serves this project) or "
+            "use engine: auto"
+        )
+
+
+class VllmTurns:
+    """The target in vLLM, answering lists of prompts (token ids) greedily."""
+
+    def __init__(self, target_dir: Path, dtype: str, max_new_tokens: int, max_model_len: int):
+        require_vllm()
+        from transformers import AutoTokenizer, GenerationConfig
+        from vllm import LLM, SamplingParams
+
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        eos = {self.tokenizer.eos_token_id}
+        try:
+            configured = GenerationConfig.from_pretrained(target_dir).eos_token_id
+            eos |= set(configured if isinstance(configured, list) else [configured])
+        except OSError:
+            pass
+        self.eos_ids = sorted(eos - {None})
+        if not self.eos_ids:
+            raise UserError(f"{target_dir}: the target defines no end-of-sequence token")
+        self.max_new_tokens = max_new_tokens
+        self.llm = LLM(
+            model=str(target_dir),
+            dtype="bfloat16" if dtype == "auto" else dtype,
+            seed=0,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            enable_prefix_caching=True,  # a later turn's prompt starts with the earlier turns
+        )
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos_ids
+        )
+
+    def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """Per prompt: the ids as generated (the stop token included when it finished) and
+        whether it finished before `max_new_tokens`."""
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                    self.params, use_tqdm=True)  # fmt: skip
+        return [finished_ids(o.outputs[0], self.eos_ids) for o in outputs]
+
+
+def finished_ids(completion, eos_ids: list[int]) -> tuple[list[int], bool]:
+    """vLLM's completion as our engines give it: the stop token kept at the end of a finished
+    answer (whether vLLM returned it or only named it in `stop_reason`)."""
+    tokens = list(completion.token_ids)
+    if completion.finish_reason != "stop":  # "length": cut at max_new_tokens
+        return tokens, False
+    if not tokens or tokens[-1] not in eos_ids:
+        reason = completion.stop_reason
+        tokens.append(reason if isinstance(reason, int) else eos_ids[0])
+    return tokens, True
+
+
+def regenerate_waves(engine, rows: list[dict], max_prompt: int, on_done) -> int:
+    """Every assistant turn of `rows`, one wave of next turns at a time; `on_done(conversation)`
+    as each conversation completes (after each wave, in row order). Returns the new tokens."""
+    convs = [Conversation(row) for row in rows]
+    pending, n_tokens = convs, 0
+    while pending:
+        ready, prompts = [], []
+        for conv in pending:
+            if (prompt := conv.prompt(engine.tokenizer, max_prompt)) is not None:
+                ready.append(conv)
+                prompts.append(prompt)
+        log.info("regenerate (vLLM): a wave of %d turns", len(ready))
+        for conv, (tokens, finished) in zip(ready, engine.answer(prompts), strict=True):
+            conv.answer(tokens, finished, engine.tokenizer)
+            n_tokens += len(tokens)
+        for conv in pending:
+            if not conv.todo:
+                on_done(conv)
+        pending = [c for c in pending if c.todo]
+    return n_tokens
+
+
+def visible_gpu(device) -> None:
+    """vLLM takes the first visible GPU: make it the one this shard claimed."""
+    if device.type == "cuda" and device.index is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index]
