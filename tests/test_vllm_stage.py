@@ -16,6 +16,7 @@ from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
 from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters, difference
 from dflash.eval.vllm_stage import compare, same_text, summary_section
+from dflash.record import eval_summary
 
 
 def test_counters_differenced_over_a_request():
@@ -74,6 +75,12 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
     assert record["tokens_per_s"]["32"]["speedup"] == pytest.approx(0.9)
     text = summary_section(record)
     assert f"| {sets[-1]} |" in text and "concurrency 32 0.90x" in text
+    # the run record keeps vLLM's acceptance length beside ours, its speedups with the speeds
+    ddtree = json.loads((second_workflow.results / "eval/ddtree.json").read_text())
+    summary = eval_summary(acceptance, ddtree, record)
+    assert summary["quality"]["vllm"]["vllm_macro"] == record["acceptance_length"]["vllm_macro"]
+    assert summary["speed"]["vllm_speedup"] == {"1": 2.0, "8": 1.5, "32": 0.9}
+    assert "vllm" not in eval_summary(acceptance, ddtree)["quality"]
 
     served["prompts"][0]["id"] = "not-a-prompt-of-this-run"
     with pytest.raises(UserError, match="not-a-prompt-of-this-run"):

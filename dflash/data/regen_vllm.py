@@ -39,17 +39,13 @@ class VllmTurns:
 
     def __init__(self, target_dir: Path, dtype: str, max_new_tokens: int, max_model_len: int):
         require_vllm()
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
         from vllm import LLM, SamplingParams
 
+        from dflash.eval.setup import eos_ids
+
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        eos = {self.tokenizer.eos_token_id}
-        try:
-            configured = GenerationConfig.from_pretrained(target_dir).eos_token_id
-            eos |= set(configured if isinstance(configured, list) else [configured])
-        except OSError:
-            pass
-        self.eos_ids = sorted(eos - {None})
+        self.eos_ids = sorted(eos_ids(target_dir, self.tokenizer))
         if not self.eos_ids:
             raise UserError(f"{target_dir}: the target defines no end-of-sequence token")
         self.max_new_tokens = max_new_tokens
