@@ -59,9 +59,6 @@ cache)  # the staged wheels (parts joined) into fetch_wheel's cache: <cache_dir>
   ;;
 start8b)  # config/rehearsal-8b.yaml: the carried folder staged, SQLAlchemy installed, started
   cp "$2"/* /tmp/stage/
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
-  rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
   setsid nohup nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu \
     --format=csv,noheader -l 5 > "$RUN/gpu-memory.csv" 2>&1 < /dev/null &
   setsid nohup bash -c 'while sleep 5; do df -B1 --output=used / | tail -1; done' \
@@ -69,6 +66,12 @@ start8b)  # config/rehearsal-8b.yaml: the carried folder staged, SQLAlchemy inst
   bash "$0" start config/rehearsal-8b.yaml
   ;;
 start)
+  # Snakemake needs SQLAlchemy, which did not fit in .whl: carried beside the data wheels
+  if ls /tmp/stage/sqlalchemy-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
+    rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
+  fi
   bash "$0" cache
   SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
     ${PRIORITIZE:+--prioritize "$PRIORITIZE"} --configfile "${@:2}")
