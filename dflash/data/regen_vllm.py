@@ -42,7 +42,7 @@ class VllmTurns:
         from transformers import AutoTokenizer
         from vllm import LLM, SamplingParams
 
-        from dflash.eval.setup import eos_ids
+        from dflash.model.target import eos_ids
 
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.eos_ids = sorted(eos_ids(target_dir, self.tokenizer))

@@ -27,7 +27,7 @@ from dflash.io import sha256_file, sha256_json
 from dflash.model.drafter import load_drafter
 from dflash.model.precision import resolve_dtype
 from dflash.model.step import resolve_device
-from dflash.model.target import load_target
+from dflash.model.target import eos_ids, load_target  # noqa: F401 (eos_ids re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +38,6 @@ class LookupProposer(Proposer):
 
     def propose(self, committed, features):
         return prompt_lookup_draft(committed, self.block_size - 1)
-
-
-def eos_ids(target_dir: Path, tokenizer) -> set[int]:
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id}
-    try:
-        eos = GenerationConfig.from_pretrained(target_dir).eos_token_id
-        ids |= set(eos if isinstance(eos, list) else [eos])
-    except OSError:
-        pass
-    return {i for i in ids if i is not None}
 
 
 def encode(tokenizer, prompt: EvalPrompt) -> list[int]:

@@ -196,3 +196,15 @@ def load_embeddings(path: str | Path, dtype=torch.float32, device="cpu"):
     head = tensor("lm_head.weight") if "lm_head.weight" in files else embed  # tied embeddings
     embedding = nn.Embedding.from_pretrained(embed, freeze=True)
     return embedding, head
+
+
+def eos_ids(target_dir: Path, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(target_dir).eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos])
+    except OSError:
+        pass
+    return {i for i in ids if i is not None}
