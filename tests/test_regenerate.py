@@ -155,13 +155,12 @@ def test_static_engine_regenerates_what_transformers_generate_does(
 
 
 def test_turn_waves_regenerate_what_transformers_generate_does(target_dir, tiny_workflow):
-    """The vLLM engine's conversation logic (`regenerate_waves`), driven here by transformers'
+    """The vLLM engine's conversation logic (`regenerate_batch` with `on_done`), driven here by transformers'
     `generate` on CPU in fp32, since vLLM needs a GPU: every conversation's turns come out as
     `regenerate_batch` gives them, later turns after the target's own answers, a turn whose
     prompt fills max_prompt ending its conversation, each conversation reported once when done."""
     from dflash.data.expand import read_rows
     from dflash.data.generation import Generator, _prompt_ids, regenerate_batch
-    from dflash.data.regen_vllm import regenerate_waves
 
     rows = read_rows(tiny_workflow.results / "data" / "expanded" / "train.parquet")
     rows += read_rows(tiny_workflow.results / "data" / "expanded" / "eval.parquet")
@@ -173,7 +172,7 @@ def test_turn_waves_regenerate_what_transformers_generate_does(target_dir, tiny_
     class Turns:  # VllmTurns' interface over the same model
         tokenizer = gen.tokenizer
 
-        def answer(self, prompts):
+        def generate(self, prompts):
             return [gen.generate([p])[0] for p in prompts]  # one at a time: no padding
 
     got = {}
@@ -182,7 +181,7 @@ def test_turn_waves_regenerate_what_transformers_generate_does(target_dir, tiny_
         assert conv.row["id"] not in got
         got[conv.row["id"]] = conv.result()
 
-    tokens = regenerate_waves(Turns(), rows, max_prompt, done)
+    _, tokens = regenerate_batch(Turns(), rows, max_prompt, done)
     assert got == {c.row["id"]: c.result() for c in convs}
     assert tokens == hf_tokens
     assert any(len(c.turn_ids) > 1 for c in convs) and sum(c.dropped_turns for c in convs) >= 1

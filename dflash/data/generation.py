@@ -149,9 +149,11 @@ class Conversation:
         }
 
 
-def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
-    """Regenerate all assistant turns of the rows, turn by turn across the batch (transformers'
-    `generate`, every turn waiting for the batch's longest answer)."""
+def regenerate_batch(gen, rows: list[dict], max_prompt: int, on_done=None):
+    """Regenerate all assistant turns of the rows, turn by turn across the batch: every
+    conversation's next turn in one `gen.generate` call (transformers' `generate`, every turn
+    waiting for the batch's longest answer; or vLLM's, which schedules them itself).
+    `on_done(conversation)` is called after each call for the conversations it completed."""
     convs = [Conversation(r) for r in rows]
     n_tokens = 0
     while todo := [c for c in convs if c.todo]:
@@ -164,6 +166,9 @@ def regenerate_batch(gen: Generator, rows: list[dict], max_prompt: int):
             for conv, (tokens, finished) in zip(ready, gen.generate(prompts), strict=True):
                 conv.answer(tokens, finished, gen.tokenizer)
                 n_tokens += len(tokens)
+        for conv in todo if on_done else ():
+            if not conv.todo:
+                on_done(conv)
     return convs, n_tokens
 
 

@@ -1,8 +1,8 @@
 """Regeneration through vLLM (`data.regenerate.engine: vllm`): the same conversations, turn by
 turn after the target's own earlier answers, with vLLM's scheduler and kernels doing the decoding.
 
-Turns go in waves: every conversation's next assistant turn at once (`LLM.generate` batches and
-schedules them itself, prefix caching reusing each conversation's earlier turns), then the next
+Turns go in waves (`regenerate_batch`): every conversation's next assistant turn at once
+(`LLM.generate` batches and schedules them itself, prefix caching reusing each conversation's earlier turns), then the next
 turns of the conversations that have more. A conversation is saved as soon as its last turn is
 answered, in the same `done-*.jsonl` parts as the static engine's, so a killed run resumes
 without redoing it. Greedy in both engines, but not the same arithmetic: the tokens agree with
@@ -16,7 +16,6 @@ import logging
 import os
 from pathlib import Path
 
-from dflash.data.generation import Conversation
 from dflash.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -61,8 +60,8 @@ class VllmTurns:
             temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos_ids
         )
 
-    def answer(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """Per prompt: the ids as generated (the stop token included when it finished) and
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """`Generator.generate`'s contract, for `regenerate_batch`. Per prompt: the ids as generated (the stop token included when it finished) and
         whether it finished before `max_new_tokens`."""
         from vllm.inputs import TokensPrompt
 
@@ -81,28 +80,6 @@ def finished_ids(completion, eos_ids: list[int]) -> tuple[list[int], bool]:
         reason = completion.stop_reason
         tokens.append(reason if isinstance(reason, int) else eos_ids[0])
     return tokens, True
-
-
-def regenerate_waves(engine, rows: list[dict], max_prompt: int, on_done) -> int:
-    """Every assistant turn of `rows`, one wave of next turns at a time; `on_done(conversation)`
-    as each conversation completes (after each wave, in row order). Returns the new tokens."""
-    convs = [Conversation(row) for row in rows]
-    pending, n_tokens = convs, 0
-    while pending:
-        ready, prompts = [], []
-        for conv in pending:
-            if (prompt := conv.prompt(engine.tokenizer, max_prompt)) is not None:
-                ready.append(conv)
-                prompts.append(prompt)
-        log.info("regenerate (vLLM): a wave of %d turns", len(ready))
-        for conv, (tokens, finished) in zip(ready, engine.answer(prompts), strict=True):
-            conv.answer(tokens, finished, engine.tokenizer)
-            n_tokens += len(tokens)
-        for conv in pending:
-            if not conv.todo:
-                on_done(conv)
-        pending = [c for c in pending if c.todo]
-    return n_tokens
 
 
 def visible_gpu(device) -> None:

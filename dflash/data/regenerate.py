@@ -30,7 +30,7 @@ from dflash.data.generation import (
     regenerate_batch,
     regenerate_continuous,
 )
-from dflash.data.regen_vllm import VllmTurns, regenerate_waves, require_vllm, visible_gpu
+from dflash.data.regen_vllm import VllmTurns, require_vllm, visible_gpu
 from dflash.data.sources import DataError
 from dflash.errors import UserError
 from dflash.filehash import HashCache
@@ -205,8 +205,8 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         regenerate_continuous(gen, todo, max_prompt, on_done, params["batch_size"],
                               attention=params["attention"], stats=tiers)  # fmt: skip
 
-    def waves(todo, on_done):
-        regenerate_waves(gen, todo, max_prompt, on_done)
+    def waves(todo, on_done):  # vLLM: every next turn in one call
+        regenerate_batch(gen, todo, max_prompt, on_done)
 
     if served or static:
         decode = waves if served else continuous
