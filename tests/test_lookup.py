@@ -1,5 +1,7 @@
 """Prompt-lookup drafting: most recent, longest match; never past the end of the sequence."""
 
+import random
+
 import torch
 
 from dflash.eval.lookup import prompt_lookup_draft
@@ -44,3 +46,21 @@ def test_never_past_the_end():
     assert prompt_lookup_draft([1, 2, 3, 4, 3, 4], k=5, max_ngram=2) == [3, 4]
     # The only occurrence of [9] is the suffix: no continuation, so no draft.
     assert prompt_lookup_draft([1, 2, 9], k=3) == []
+
+
+def _scan(ids, k, max_ngram=3, min_ngram=1):
+    """The rule spelt out as a loop: the longest n first, then its most recent occurrence."""
+    for n in range(max_ngram, max(min_ngram, 1) - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == ids[len(ids) - n :]:
+                return ids[start + n : start + n + k]
+    return []
+
+
+def test_agrees_with_the_rule_on_random_sequences():
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randrange(40))]
+        k, top = rng.randrange(6), rng.randrange(1, 5)
+        low = rng.randrange(top + 1)
+        assert prompt_lookup_draft(ids, k, top, low) == _scan(ids, k, top, low)
