@@ -1,6 +1,7 @@
 """What else the machine was doing while training ran: the record's evidence for "was it the host?".
 
-Drafter 0 runs a `HostMonitor`. Every `CPU_EVERY_S` seconds it reads (psutil) how much of all
+Drafter 0 runs a `HostMonitor`, and so does each evaluation stage (a window per decoding method:
+was its wall clock taken beside other work?). Every `CPU_EVERY_S` seconds it reads (psutil) how much of all
 CPUs' time went to processes other than this run's ranks (the machine's CPU times less the ranks'
 own; a virtual machine's steal time counts as other work). On a GPU run, a second thread asks
 NVML (nvidia-ml-py) every `GPU_EVERY_S` seconds about the GPUs this node's ranks use: SM clock
@@ -229,7 +230,8 @@ class HostMonitor:
     `gpu_uuids` are the GPUs this node's ranks use (none on CPU). Sampling never stops training:
     an error is logged once and that kind of sample is dropped."""
 
-    def __init__(self, gpu_uuids: list[str] = ()):
+    def __init__(self, gpu_uuids: list[str] = (), gpu_every_s: float = GPU_EVERY_S):
+        self.gpu_every_s = gpu_every_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._other: list[float] = []
@@ -258,9 +260,9 @@ class HostMonitor:
             log.warning("host monitor: CPU sampling stopped: %s", e)
 
     def _gpu_loop(self, uuids: set[str]) -> None:
-        wait = GPU_FIRST_S
+        wait = min(GPU_FIRST_S, self.gpu_every_s)
         while not self._stop.wait(wait):
-            wait = GPU_EVERY_S
+            wait = self.gpu_every_s
             try:
                 sample = gpu_sample(self._nvml, uuids, self._pids)
             except Exception as e:

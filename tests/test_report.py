@@ -1,7 +1,7 @@
 """The summary's per-prompt line, on a hand-made `per_prompt` record of eval/acceptance.json, and
 its first-step seconds."""
 
-from dflash.eval.report import _startup, per_prompt_text
+from dflash.eval.report import _startup, busy_clocks, per_prompt_text
 
 
 def record(ids, sets, drafter, lookup, same=None) -> dict:
@@ -55,3 +55,19 @@ def test_first_step_seconds_say_where_they_went():
     old = _startup({"startup_s": 30.8, "compile_s": 14.1})
     assert old == "; first step 31 s after the process started, 14 s of it compiling"
     assert _startup({}) == ""
+
+
+def test_a_clock_beside_other_work_is_named_in_the_summary():
+    quiet = {"cpus": 16, "other_cpu_fraction": 0.01, "gpu_foreign_processes_max": 0}
+    busy_cpu = {"cpus": 16, "other_cpu_fraction": 0.4}
+    shared_gpu = {"cpus": 16, "other_cpu_fraction": 0.0, "gpu_foreign_processes_max": 1}
+    acceptance = {"host": quiet, "baselines": {"target": {"host": quiet}, "lookup": {}}}
+    ddtree = {"target_host": quiet, "results": [{"method": "chain", "host": quiet}]}
+    assert busy_clocks(acceptance, ddtree) == ""  # quiet, or not sampled: nothing to say
+    acceptance["baselines"]["lookup"]["host"] = busy_cpu
+    ddtree["results"][0]["host"] = shared_gpu
+    text = busy_clocks(acceptance, ddtree)
+    assert text.startswith("**Clock caveat:**")
+    assert "lookup (other processes used 40% of the 16 CPUs)" in text
+    assert "DDTree chain (" in text and "1 other processes on the GPUs" in text
+    assert "drafter (" not in text and "target (" not in text

@@ -463,6 +463,9 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     drafter = prompts["methods"]["drafter"]
     assert all(drafter["same"])  # float32: every method decodes the target's own tokens
     assert abs(sum(drafter["tau"]) / 2 - acc["tau_macro"]) < 1e-2
+    # what else the machine did while each method's clock ran (a tiny method may take no sample)
+    hosts = [acc["host"], *(b["host"] for b in acc["baselines"].values())]
+    assert all(h["cpus"] >= 1 and h["other_cpu_samples"] >= 0 for h in hosts)
     metrics = [
         json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
     ]
@@ -473,6 +476,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert metrics[-1]["tau_sim_first"] == pytest.approx(sim["tau_sim"], rel=0.05)
     tree = json.loads((flow.results / "eval/ddtree.json").read_text())
     assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
+    assert tree["target_host"]["cpus"] >= 1 and all(r["host"]["cpus"] >= 1 for r in tree["results"])
     summary = (flow.results / "summary.md").read_text()
     assert f"τ = {acc['tau_macro']:.3f} (macro" in summary
     assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary

@@ -189,8 +189,9 @@ def run(args) -> None:
         for name, gs in gens.items()
     }
     base = results["target"]["overall"]["tokens_per_s"]
-    for r in results.values():
+    for name, r in results.items():
         r["overall"]["speedup"] = round(r["overall"]["tokens_per_s"] / base, 3)
+        r["overall"]["host"] = setup.hosts.get(name)
     rows = pl.read_parquet(args.tokenized).head(config["eval"]["max_prompts"])
     tf = teacher_forced_tau(setup.drafter, setup.model, rows, config)
     headline = results["drafter"]["overall"]
@@ -263,6 +264,7 @@ def run_ddtree(args) -> None:
                 "tokens_per_s": overall["tokens_per_s"],
                 "speedup": round(overall["tokens_per_s"] / base["overall"]["tokens_per_s"], 3),
                 "lossless": overall["lossless"],
+                "host": setup.hosts.get(name),
                 "sets": {
                     n: {k: s[k] for k in ("tau_macro", "tau_pooled")}
                     for n, s in summary["sets"].items()
@@ -275,6 +277,7 @@ def run_ddtree(args) -> None:
         "n_prompts": len(setup.prompts),
         "max_new_tokens": setup.max_new,
         "target_tokens_per_s": base["overall"]["tokens_per_s"],
+        "target_host": setup.hosts.get("target"),
         "results": rows,
         **setup.sha,
         "lossless": min(r["lossless"] for r in rows),

@@ -23,6 +23,7 @@ from dflash.eval.decode import (
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.gpus import claim_gpu
+from dflash.host import HostMonitor, describe_host, summarize_host
 from dflash.io import sha256_file, sha256_json
 from dflash.model.drafter import load_drafter
 from dflash.model.precision import resolve_dtype
@@ -30,6 +31,9 @@ from dflash.model.step import resolve_device
 from dflash.model.target import eos_ids, load_target  # noqa: F401 (eos_ids re-exported)
 
 log = logging.getLogger(__name__)
+
+# NVML asked about the GPU this often while decoding: a method decodes for a minute or less
+HOST_GPU_EVERY_S = 5.0
 
 
 class LookupProposer(Proposer):
@@ -96,12 +100,20 @@ class Setup:
             "drafter_sha256": sha256_file(Path(args.drafter) / "model.safetensors"),
             "target_sha256": weights_sha256(Path(args.target)),
         }
+        # what else the machine did while each method's clock ran (`hosts`): a wall clock
+        # taken beside another busy process, on the CPU or the GPU, says so in the record
+        uuids = (
+            [str(torch.cuda.get_device_properties(device).uuid)] if device.type == "cuda" else []
+        )
+        self.monitor = HostMonitor(uuids, gpu_every_s=HOST_GPU_EVERY_S)
+        self.hosts: dict[str, dict] = {}
 
     def reference(self) -> list[Generation]:
         """Target-only greedy decoding of every prompt; later turns (followups) are added to the
         prompts after the target's own answer to the turn before, and decoded too."""
         gens, pending = [], list(self.prompts)
         self.prompts, self.encoded = [], []
+        self.monitor.window()  # loading the models is not a method's
         while pending:
             encoded = [encode(self.tokenizer, p) for p in pending]
             out = [self._decode(Proposer(), ids) for ids in encoded]
@@ -113,7 +125,7 @@ class Setup:
                 for p, g in zip(pending, out, strict=True)
                 if p.followups
             ]
-        log_generations("target", gens)
+        self.log_generations("target", gens)
         return gens
 
     def _decode(self, proposer: Proposer, ids: list[int]) -> Generation:
@@ -121,7 +133,7 @@ class Setup:
 
     def decode(self, name: str, proposer: Proposer) -> list[Generation]:
         gens = [self._decode(proposer, ids) for ids in self.encoded]
-        log_generations(name, gens)
+        self.log_generations(name, gens)
         return gens
 
     def decode_tree(
@@ -135,8 +147,14 @@ class Setup:
             )
             for ids in self.encoded
         ]
-        log_generations(name, gens)
+        self.log_generations(name, gens)
         return gens
+
+    def log_generations(self, name: str, gens: list[Generation]) -> None:
+        """The method's speed in the log, and the host's state while it ran in `hosts`."""
+        self.hosts[name] = host = summarize_host([self.monitor.window()])
+        log_generations(name, gens)
+        log.info("%s: host while it decoded: %s", name, describe_host(host))
 
 
 def log_generations(name: str, gens: list[Generation]) -> None:
