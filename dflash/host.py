@@ -1,14 +1,15 @@
-"""What else the machine was doing while training ran: the record's evidence for "was it the host?".
+"""What else the machine was doing while training or an evaluation ran: the record's evidence for
+"was it the host?".
 
-Drafter 0 runs a `HostMonitor`, and so does each evaluation stage (a window per decoding method:
-was its wall clock taken beside other work?). Every `CPU_EVERY_S` seconds it reads (psutil) how much of all
-CPUs' time went to processes other than this run's ranks (the machine's CPU times less the ranks'
-own; a virtual machine's steal time counts as other work). On a GPU run, a second thread asks
+Drafter 0 runs a `HostMonitor`, and so does each evaluation stage (a window per decoding method: was
+its wall clock taken beside other work?). Every `CPU_EVERY_S` seconds it reads (psutil) how much of
+all CPUs' time went to processes other than this run's ranks (the machine's CPU times less the
+ranks' own; a virtual machine's steal time counts as other work). On a GPU run, a second thread asks
 NVML (nvidia-ml-py) every `GPU_EVERY_S` seconds about the GPUs this node's ranks use: SM clock
-against its maximum, temperature, thermal or hardware throttling, and compute processes that are
-not ranks of this run. Each metrics line carries the window since the previous line;
-`summarize_host` condenses the steady lines for the run summary, and `dflash compare` weighs a
-change in them as a cause.
+against its maximum, temperature, thermal or hardware throttling, and compute processes that are not
+ranks of this run. Each metrics line carries the window since the previous line; `summarize_host`
+condenses the steady lines for the run summary, and `dflash compare` weighs a change in them as a
+cause.
 
 What it cannot see: other nodes of a multi-node run (it samples drafter 0's node), a cgroup CPU
 limit (the CPU times are the whole machine's), and processes that NVML cannot show from inside a

@@ -2,11 +2,11 @@
 turn after the target's own earlier answers, with vLLM's scheduler and kernels doing the decoding.
 
 Turns go in waves (`regenerate_batch`): every conversation's next assistant turn at once
-(`LLM.generate` batches and schedules them itself, prefix caching reusing each conversation's earlier turns), then the next
-turns of the conversations that have more. A conversation is saved as soon as its last turn is
-answered, in the same `done-*.jsonl` parts as the static engine's, so a killed run resumes
-without redoing it. Greedy in both engines, but not the same arithmetic: the tokens agree with
-ours until a near tie (bf16) parts them; BENCHMARKS.md says how far they agree.
+(`LLM.generate` batches and schedules them itself, prefix caching reusing each conversation's
+earlier turns), then the next turns of the conversations that have more. A conversation is saved as
+soon as its last turn is answered, in the same `done-*.jsonl` parts as the static engine's, so a
+killed run resumes without redoing it. Greedy in both engines, but not the same arithmetic: the
+tokens agree with ours until a near tie (bf16) parts them; BENCHMARKS.md says how far they agree.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class VllmTurns:
         )
 
     def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """`Generator.generate`'s contract, for `regenerate_batch`. Per prompt: the ids as generated (the stop token included when it finished) and
-        whether it finished before `max_new_tokens`."""
+        """`Generator.generate`'s contract, for `regenerate_batch`. Per prompt: the ids as
+        generated (the stop token included when it finished) and whether it finished before
+        `max_new_tokens`."""
         from vllm.inputs import TokensPrompt
 
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
