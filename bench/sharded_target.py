@@ -10,12 +10,17 @@ one seed; `--save DIR` writes them and loads the shards back as training does, e
 only its slices), truncated to the deepest layer a 5-layer drafter reads (34 of 36 layers):
 
 1. agreement: the sharded features (replicated on every rank) against the whole target's on
-   rank 0, in fp32 and bf16, as max abs and max relative difference;
+   rank 0, in fp32 and bf16 (`--dtypes`), as max abs and max relative difference;
 2. features throughput in bf16 (eager; `--compile` adds the compiled layer): tokens/s of the
    sharded group and per GPU, against the whole target on one GPU, and their ratio;
 3. the communication alone: the forward's 2 all-reduces per layer of the hidden states
-   (tokens x hidden, bf16), timed without the compute, and the bytes each moves;
+   (tokens x hidden, bf16), timed without the compute, and the bytes each moves; with
+   `--profile`, the NCCL kernels' time inside one sharded forward (CUDA only);
 4. peak memory per rank.
+
+`--save` applies to bf16, the dtype training loads. The sharded copy is made layer by layer, so
+a rank holds the whole target once (a Qwen3-32B-shaped one, 62 GB in bf16, fits an H200 with
+its 31 GB shard beside it; fp32 would not: `--dtypes bfloat16`).
 
 Rank 0 prints one JSON document and writes it to `--out`. NVLink multicast (NVLS) must stay off
 on the lent machines (KINDS.md): this script sets NCCL_NVLS_ENABLE=0 and
@@ -97,6 +102,23 @@ def build(config, dtype, device, layer_ids, save: Path | None):
     return features
 
 
+def sharded_copy(whole: TargetFeatures, mesh) -> TargetFeatures:
+    """A copy of `whole` with its layers sharded (rank 0's weights, scattered), copied one layer
+    at a time so that the rank never holds two whole targets."""
+    layers = whole.decoder.layers
+    whole.decoder.layers = torch.nn.ModuleList()
+    try:
+        sharded = copy.deepcopy(whole)  # embedding, norms, rotary: replicated
+    finally:
+        whole.decoder.layers = layers
+    copies = torch.nn.ModuleList()
+    for layer in layers:
+        copies.append(copy.deepcopy(layer))
+        shard_layers(copies[-1:], mesh)
+    sharded.decoder.layers = copies
+    return sharded
+
+
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     d = (a.float() - b.float()).abs().max().item()
     return {"max_abs": d, "max_rel": d / max(b.float().abs().max().item(), 1e-30)}
@@ -112,6 +134,10 @@ def main():
     p.add_argument("--compile", action="store_true", help="also time the compiled layer")
     p.add_argument("--save", type=Path, help="write the random target here, load shards back")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--dtypes", default="float32,bfloat16", help="agreement in these (bf16 is timed)"
+    )
+    p.add_argument("--profile", action="store_true", help="NCCL kernel time in a forward (CUDA)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -138,9 +164,9 @@ def main():
         "torch": torch.__version__,
     }
     warm, reps = (2, args.reps) if device.type == "cuda" else (1, 1)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         name = str(dtype).removeprefix("torch.")
-        save = args.save / name if args.save is not None else None
+        save = args.save / name if args.save is not None and dtype == torch.bfloat16 else None
         whole = build(config, dtype, device, layer_ids, save)
         if save is not None:
             dist.barrier()
@@ -148,8 +174,7 @@ def main():
             sharded = load_sharded(save, mesh, layer_ids, device, dtype)
             result[f"load_s_{name}"] = round(time.perf_counter() - t0, 2)
         else:
-            sharded = copy.deepcopy(whole)
-            shard_layers(sharded.decoder.layers, mesh)  # rank 0's weights, scattered
+            sharded = sharded_copy(whole, mesh)
         reset_peak(device)
         got = sharded(ids)
         row = {"peak_gb_sharded": peak_gb(device)}
@@ -180,7 +205,8 @@ def throughput(whole, sharded, ids, device, warm, reps, tokens, world, args) -> 
         # training would (no communication)
         t_whole = timed(lambda: whole(ids), device, warm, reps)
         per_gpu = tokens / t_sharded / world
-        out[mode] = {
+        out[mode] = nccl_share(lambda: sharded(ids), device) if args.profile else {}
+        out[mode] |= {
             "sharded_s": round(t_sharded, 4),
             "sharded_tokens_per_s": round(tokens / t_sharded),
             "sharded_tokens_per_s_per_gpu": round(per_gpu),
@@ -189,6 +215,32 @@ def throughput(whole, sharded, ids, device, warm, reps, tokens, world, args) -> 
             "per_gpu_ratio": round(per_gpu / (tokens / t_whole), 3),
         }
     return out
+
+
+def nccl_share(fn, device) -> dict:
+    """The kernels' time on this rank's GPU in one call of `fn`, and the NCCL kernels' part of it
+    (an all-reduce kernel also counts the time it waits for the slower rank)."""
+    if device.type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    try:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    except Exception as e:  # a profiler's failure must not cost the run its other numbers
+        return {"profile_error": repr(e)}
+    total = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    nccl = sum(e.time_range.elapsed_us() for e in kernels if "nccl" in e.name.lower()) / 1e6
+    return {
+        "kernel_s": round(total, 4),
+        "nccl_kernel_s": round(nccl, 4),
+        "nccl_kernels": sum("nccl" in e.name.lower() for e in kernels),
+    }
 
 
 def allreduce_cost(config, layer_ids, tokens, dtype, device, reps) -> dict:
