@@ -14,6 +14,7 @@ from dflash.eval.decode import (
     generate,
     generate_tree,
 )
+from dflash.eval.probe import probe_steps
 from dflash.eval.run import LookupProposer
 from dflash.model.drafter import Drafter, DrafterConfig, layer_projections, layer_rest
 from dflash.model.engine import BatchedGreedy, StaticTarget
@@ -351,3 +352,16 @@ def test_a_lookup_branch_accepts_whichever_branch_the_target_follows(target, dra
         session(target, drafter), perfect, prompt, 1 + 5 * BLOCK, set(), None, 1, True
     )
     assert out.accepted == [BLOCK] * 5
+
+
+def test_the_clock_probe_between_methods_leaves_decoding_as_it_was(target, drafter, kind):
+    """The evaluation times fixed steps on its live sessions after each method (the clock's
+    check): the methods after it decode the same tokens in the same rounds."""
+    t, p = session(target, drafter, kind), proposer(target, drafter)
+    before = [generate(t, p, prompt, 40, set()) for prompt in PROMPTS]
+    probe = probe_steps(t, p, VOCAB)
+    after = [generate(t, p, prompt, 40, set()) for prompt in PROMPTS]
+    assert [g.tokens for g in after] == [g.tokens for g in before]
+    assert [g.accepted for g in after] == [g.accepted for g in before]
+    assert min(probe["verify_1_ms"], probe[f"verify_{BLOCK}_ms"], probe["drafter_round_ms"]) > 0
+    assert probe["drafter_cache_rows"] >= 64 + BLOCK  # the CPU probe's prefix and a round

@@ -1,7 +1,8 @@
 """The summary's per-prompt line, on a hand-made `per_prompt` record of eval/acceptance.json, and
 its first-step seconds."""
 
-from dflash.eval.report import _startup, busy_clocks, per_prompt_text
+from dflash.eval.clock import busy_clocks, clock_caveats, probe_spread
+from dflash.eval.report import _startup, per_prompt_text
 
 
 def record(ids, sets, drafter, lookup, same=None) -> dict:
@@ -71,3 +72,26 @@ def test_a_clock_beside_other_work_is_named_in_the_summary():
     assert "lookup (other processes used 40% of the 16 CPUs)" in text
     assert "DDTree chain (" in text and "1 other processes on the GPUs" in text
     assert "drafter (" not in text and "target (" not in text
+
+
+def test_the_same_fixed_step_timed_differently_in_two_stages_is_named_in_the_summary():
+    def probe(verify, drafter, fixed=None):
+        out = {"live": {"verify_1_ms": 1.7, "verify_16_ms": verify, "drafter_round_ms": drafter}}
+        return out | ({"fixed": {"verify_16_ms": fixed, "drafter_round_ms": 0.3}} if fixed else {})
+
+    acceptance = {
+        "block_size": 16,
+        "clock_probe": {"target": probe(2.62, 0.30), "lookup": probe(2.7, 0.31)},
+    }
+    ddtree = {"clock_probe": {"target": probe(2.65, 0.30), "chain": probe(2.6, 0.3)}}
+    assert probe_spread(acceptance, ddtree) == ""  # within PROBE_TOLERANCE
+    assert probe_spread({"block_size": 16}, {}) == ""  # records from before the probe
+    acceptance["clock_probe"]["drafter"] = probe(4.9, 0.31, fixed=4.8)
+    ddtree["clock_probe"]["chain"] = probe(2.6, 0.3, fixed=2.55)
+    text = probe_spread(acceptance, ddtree)
+    assert text.startswith("**Clock check:** the same 16-token verify forward took 4.90 ms")
+    assert "after drafter in the acceptance stage but 2.60 ms after" in text
+    assert "(on sessions of a fixed small cache: 4.80 and 2.55 ms)" in text
+    assert "drafter round" not in text  # that one agreed
+    quiet = {**ddtree, "results": [], "target_host": None}
+    assert clock_caveats({**acceptance, "baselines": {}}, quiet) == [text]

@@ -11,6 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
+from dflash.eval.clock import clock_caveats
 from dflash.eval.vllm_stage import summary_section
 from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
@@ -227,36 +228,6 @@ def _startup(train_summary: dict) -> str:
     return f"; first step {startup:.0f} s after the process started{compiling}"
 
 
-# Another process's share of the CPUs from which a decoding clock is called busy: the loop at
-# batch size 1 waits on the host every round, so it feels a busy CPU long before a GPU would.
-BUSY_CPU_FRACTION = 0.10
-
-
-def busy_clocks(acceptance: dict, ddtree: dict) -> str:
-    """A caveat naming each method whose clock ran beside other work (its `host` record), or ''."""
-    hosts = {"drafter": acceptance.get("host")}
-    hosts |= {k: m.get("host") for k, m in acceptance["baselines"].items()}
-    hosts |= {f"DDTree {r['method']}": r.get("host") for r in ddtree["results"]}
-    hosts["DDTree target"] = ddtree.get("target_host")
-    busy = []
-    for name, host in hosts.items():
-        if not host:
-            continue
-        other = host.get("other_cpu_fraction") or 0.0
-        if (
-            other >= BUSY_CPU_FRACTION
-            or host.get("gpu_foreign_processes_max")
-            or host.get("gpu_throttle")
-        ):
-            busy.append(f"{name} ({describe_host(host)})")
-    if not busy:
-        return ""
-    return (
-        "**Clock caveat:** these methods decoded while the machine did other work, so their "
-        "tokens/s and speedups are not a quiet machine's: " + "; ".join(busy) + "."
-    )
-
-
 def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     b = acceptance["baselines"]
     best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
@@ -304,9 +275,7 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
         lines.append(
             f"| {name} | {_tau(m)} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |"
         )
-    busy = busy_clocks(acceptance, ddtree)
-    if busy:
-        lines += ["", busy]
+    lines += [c for caveat in clock_caveats(acceptance, ddtree) for c in ("", caveat)]
     sets = acceptance["sets"]
     if len(sets) > 1:
         per_set = acceptance.get("baseline_sets", {})

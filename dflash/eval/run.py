@@ -180,7 +180,7 @@ def run(args) -> None:
         torch.manual_seed(config["seed"])  # the same initialisation training started from
         untrained = Drafter(setup.drafter.config).to(setup.head.device).eval()
         methods["untrained"] = DrafterProposer(untrained, setup.embed, setup.head)
-    methods["drafter"] = DrafterProposer(setup.drafter, setup.embed, setup.head)
+    methods["drafter"] = setup.proposer
     gens |= {name: setup.decode(name, proposer) for name, proposer in methods.items()}
     if config["eval"]["with_lookup"]:
         gens[WITH_LOOKUP] = setup.decode_tree(WITH_LOOKUP, methods["drafter"], None, 1, True)
@@ -209,6 +209,8 @@ def run(args) -> None:
         "reference_sha256": tokens_sha256(gens["target"]),
         "lossless": min(r["overall"]["lossless"] for r in results.values()),
         "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
+        # the same fixed steps timed after each method (dflash.eval.probe): the clock's check
+        "clock_probe": setup.probes,
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
@@ -239,7 +241,7 @@ def run_ddtree(args) -> None:
     """results/eval/ddtree.json: τ and speedup of tree drafting by node budget (and the chain)."""
     tree_cfg = args.config["eval"]["ddtree"]
     setup = Setup(args, tree_cfg["max_prompts"])
-    proposer = DrafterProposer(setup.drafter, setup.embed, setup.head)
+    proposer = setup.proposer
     gens = {"target": setup.reference(), "chain": setup.decode("chain", proposer)}
     variants = [(f"tree-{b}", b, False) for b in tree_cfg["budgets"]]
     if tree_cfg["with_lookup"]:
@@ -283,6 +285,7 @@ def run_ddtree(args) -> None:
         "lossless": min(r["lossless"] for r in rows),
         # the same fields as acceptance.json's: a prompt's clock in both stages side by side
         "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
+        "clock_probe": setup.probes,
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)

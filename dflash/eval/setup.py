@@ -21,6 +21,7 @@ from dflash.eval.decode import (
     target_session,
 )
 from dflash.eval.lookup import prompt_lookup_draft
+from dflash.eval.probe import probe_steps
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.gpus import claim_gpu
 from dflash.host import HostMonitor, describe_host, summarize_host
@@ -92,6 +93,10 @@ class Setup:
         self.session = target_session(self.model, self.drafter.config.target_layer_ids)
         log.info("target session: %s on %s", type(self.session).__name__, device)
         self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight
+        # the trained drafter's proposer, shared by every method that drafts with it
+        self.proposer = DrafterProposer(self.drafter, self.embed, self.head)
+        self.probes: dict[str, dict] = {}  # method -> the fixed steps timed after it (probe.py)
+        self._fixed = None  # sessions no method decodes with, for `probes`' fixed-cache timing
         self.block_size = self.drafter.config.block_size
         self.stop = eos_ids(args.target, self.tokenizer)
         self.prompts = eval_prompts(config, args.held_out, max_prompts)
@@ -151,10 +156,28 @@ class Setup:
         return gens
 
     def log_generations(self, name: str, gens: list[Generation]) -> None:
-        """The method's speed in the log, and the host's state while it ran in `hosts`."""
+        """The method's speed in the log, the host's state while it ran in `hosts`, and the
+        same fixed steps timed after it in `probes`."""
         self.hosts[name] = host = summarize_host([self.monitor.window()])
         log_generations(name, gens)
         log.info("%s: host while it decoded: %s", name, describe_host(host))
+        self.probes[name] = probe = self.probe()
+        log.info("%s: the fixed steps after it: %s", name, probe)
+
+    def probe(self) -> dict:
+        """The fixed steps (`dflash.eval.probe`) on the live sessions and, on a GPU, on sessions
+        of a fixed small cache that no method decodes with."""
+        vocab = self.model.config.get_text_config().vocab_size
+        out = {"live": probe_steps(self.session, self.proposer, vocab)}
+        if self.session.device.type == "cuda":
+            if self._fixed is None:
+                layer_ids = self.drafter.config.target_layer_ids
+                self._fixed = (
+                    target_session(self.model, layer_ids),
+                    DrafterProposer(self.drafter, self.embed, self.head),
+                )
+            out["fixed"] = probe_steps(*self._fixed, vocab)
+        return out
 
 
 def log_generations(name: str, gens: list[Generation]) -> None:
