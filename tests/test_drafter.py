@@ -21,6 +21,7 @@ from dflash.model.objective import (
     Blocks,
     block_mask,
     block_metrics,
+    copies_context,
     dense_mask,
     dflash_loss,
     dflash_mask_mod,
@@ -110,6 +111,42 @@ def test_anchor_sampling_is_seeded_and_legal():
         assert all(loss_mask[i, a] and loss_mask[i, a + 1] for a in real)
     none = sample_anchors(torch.zeros(2, 9, dtype=torch.long), 4, torch.Generator())
     assert none[0].shape == (2, 4) and not none[1].any()
+
+
+def test_copy_anchors_are_where_the_next_token_continues_an_earlier_four_gram():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8, 3]])
+    # tokens 7..10 (5, 6, 7, 8) repeat tokens 0..3: prompt lookup at anchor 9 (matching 5, 6, 7)
+    # proposes 8, the row's next token
+    assert copies_context(ids)[0].nonzero().flatten().tolist() == [9]
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 3, (4, 60), generator=g)  # 3 symbols: many repeats
+    got = copies_context(rows)
+    for r, row in enumerate(rows.tolist()):
+        for a in range(60):
+            gram = row[a - 2 : a + 2] if a >= 2 and a + 1 < 60 else None
+            earlier = gram is not None and any(row[j : j + 4] == gram for j in range(0, a - 2))
+            assert bool(got[r, a]) == earlier, (r, a)
+    assert not copies_context(torch.tensor([[1, 1, 1]])).any()  # shorter than one n-gram
+
+
+def test_copy_weight_draws_copy_anchors_more_often_and_one_keeps_the_uniform_draw():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50_000, (8, 400), generator=g)
+    ids[:, 300:380] = ids[:, 100:180]  # the answer repeats part of its context
+    loss_mask = torch.ones_like(ids)
+    copy = copies_context(ids)
+    assert copy[:, 300:380].float().mean() > 0.9 and copy[:, :300].sum() == 0
+
+    def draw(weight):
+        a, v = sample_anchors(loss_mask, 32, torch.Generator().manual_seed(1), ids, weight)
+        assert v.all() and all(r.tolist() == sorted(set(r.tolist())) for r in a)
+        return a, copy.gather(1, a).float().mean().item()
+
+    uniform = sample_anchors(loss_mask, 32, torch.Generator().manual_seed(1))
+    assert torch.equal(draw(1.0)[0], uniform[0])  # weight 1: the reference's draw, unchanged
+    share = copy.float().mean().item()  # ~0.19 of the positions
+    assert draw(1.0)[1] < share + 0.1
+    assert draw(8.0)[1] > 0.55  # about 8 x 0.19 / (8 x 0.19 + 0.81) = 0.65 without replacement
 
 
 def test_blocks_never_outnumber_the_batch_width():
@@ -680,3 +717,26 @@ def test_an_exported_drafter_loads_into_the_run_in_fp32_weight_for_weight(tmp_pa
     exported = load_file(tmp_path / "d" / WEIGHTS)
     for k, v in model.state_dict().items():
         assert v.dtype == torch.float32 and torch.equal(v, exported[k].float()), k
+
+
+def test_the_training_step_draws_its_anchors_with_the_configured_copy_weight(monkeypatch):
+    """drafter.copy_anchor_weight reaches the anchor draw of every training step."""
+    from dflash.model import objective
+    from dflash.model.step import TrainStep
+
+    cfg = tiny_config()
+    ids, _, features, embed, _, _ = training_inputs(cfg, b=2, s=24)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    seen = []
+
+    def spy(loss_mask, max_anchors, generator, input_ids=None, copy_weight=1.0):
+        seen.append((input_ids is ids, copy_weight))
+        return sample_anchors(loss_mask, max_anchors, generator, input_ids, copy_weight)
+
+    monkeypatch.setattr(objective, "sample_anchors", spy)
+    step = TrainStep(
+        Drafter(cfg), embed, head, max_anchors=4, gamma=None, attention="sdpa", compile=False,
+        copy_weight=3.0,
+    )  # fmt: skip
+    loss, _ = step.loss(features, ids, torch.ones_like(ids), torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and seen == [(True, 3.0)]

@@ -41,14 +41,54 @@ class Blocks:
     weights: torch.Tensor  # (b, n, B) loss weights (slot 0 and padding are 0)
 
 
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator):
+# Tokens a-2..a+1 seen together earlier in the row: prompt lookup, matching the last three
+# committed tokens, could have proposed token a+1 after anchor a (the answer copies its context)
+COPY_NGRAM = 4
+
+
+def copies_context(input_ids: torch.Tensor) -> torch.Tensor:
+    """(b, s) bool: True at anchor a where the n-gram a-2..a+1 (COPY_NGRAM) occurred earlier in
+    the row, as where a later turn repeats an earlier answer. Hashes of the n-grams, stably sorted:
+    an n-gram equal to the one before it in sorted order was seen earlier (collisions of the
+    64-bit hash are negligible)."""
+    b, s = input_ids.shape
+    n = COPY_NGRAM
+    out = torch.zeros(b, s, dtype=torch.bool, device=input_ids.device)
+    if s < n:
+        return out
+    ids = input_ids.long()
+    h = torch.zeros(b, s - n + 1, dtype=torch.long, device=ids.device)
+    for i in range(n):  # int64 arithmetic wraps: a hash, not a number
+        h = h * 1_000_003 + ids[:, i : s - n + 1 + i]
+    order = torch.sort(h, dim=1, stable=True)
+    seen = torch.zeros_like(h, dtype=torch.bool)
+    seen.scatter_(1, order.indices[:, 1:], order.values[:, 1:] == order.values[:, :-1])
+    out[:, n - 2 : s - 1] = seen  # h[:, j] is the n-gram of anchor j + n - 2
+    return out
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    max_anchors: int,
+    generator: torch.Generator,
+    input_ids: torch.Tensor | None = None,
+    copy_weight: float = 1.0,
+):
     """Up to `max_anchors` sorted anchors per sample where positions a and a+1 are trainable:
-    (b, min(max_anchors, s)) anchors and validity, real anchors first."""
+    (b, min(max_anchors, s)) anchors and validity, real anchors first. With `copy_weight` w != 1
+    an anchor where the answer copies its context (`copies_context(input_ids)`) is drawn w times
+    as likely as another (drafter.copy_anchor_weight)."""
     b, s = loss_mask.shape
     eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
     eligible[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
     # Random keys on CPU from the seeded generator: the same draw on every device.
     keys = upload(torch.rand((b, s), generator=generator), loss_mask.device)
+    if copy_weight != 1.0:
+        # Efraimidis-Spirakis: the k smallest Exp(w)-distributed keys (-log u / w) are a draw of k
+        # without replacement, each in proportion to its w; x / (1 + x) keeps their order in [0, 1)
+        weight = 1.0 + (copy_weight - 1.0) * copies_context(input_ids).float()
+        keys = -torch.log(keys) / weight
+        keys = keys / (1.0 + keys)
     keys = torch.where(eligible, keys, torch.full_like(keys, 2.0))
     k = min(max_anchors, s)
     picked = keys.topk(k, dim=1, largest=False)
@@ -198,6 +238,7 @@ def dflash_loss(
     lm_loss=None,
     distill: float = 0.0,
     host: bool = True,
+    copy_weight: float = 1.0,
 ):
     """One training forward: returns (loss, metrics); the metrics as device tensors when not
     `host` (`host_metrics` converts them later). features: (b, s, n_layers*H), with the
@@ -220,7 +261,7 @@ def dflash_loss(
         raise ValueError(f"features are {features.shape[-1]} wide; the step needs {need}: {what}")
     target_out = features[..., width:] if distill else None
     features = features[..., :width] if distill else features
-    anchors, valid = sample_anchors(loss_mask, max_anchors, generator)
+    anchors, valid = sample_anchors(loss_mask, max_anchors, generator, input_ids, copy_weight)
     blocks = make_blocks(input_ids, loss_mask, anchors, valid, bs, cfg.mask_token_id, gamma)
     q_len, kv_len = blocks.ids.shape[1], s + blocks.ids.shape[1]
     mod = dflash_mask_mod(anchors, valid, s, bs)

@@ -66,6 +66,7 @@ class TrainStep:
         wrap=None,
         distill: float = 0.0,
         ce_chunk: int = 1024,
+        copy_weight: float = 1.0,
     ):
         self.drafter = drafter
         self.model = drafter
@@ -82,6 +83,7 @@ class TrainStep:
         self.max_anchors, self.gamma, self.attention = max_anchors, gamma, attention
         self.compile, self.distill = compile, distill
         self.ce_chunk = ce_chunk  # tokens per chunk of LM-head logits
+        self.copy_weight = copy_weight  # drafter.copy_anchor_weight
 
     def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
         loss, metrics = self.loss(features, input_ids, loss_mask, generator)
@@ -109,6 +111,7 @@ class TrainStep:
                 compiled_ce=self.compile and device == "cuda",
                 distill=self.distill,
                 host=host,
+                copy_weight=self.copy_weight,
             )
 
 

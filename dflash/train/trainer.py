@@ -103,6 +103,7 @@ class Trainer:
             compile_scope=config["compile"]["scope"],
             wrap=self._ddp if self.ddp else None,
             distill=t["distill"],
+            copy_weight=d["copy_anchor_weight"],
         )
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
@@ -136,6 +137,12 @@ class Trainer:
             # Weights depend on the drafter count, not on how many targets feed them (or whether
             # they are colocated): a run may resume with a different number of target ranks.
             "drafters": self.topo.drafters,
+            # only where it is set, so that runs from before the key keep their contract
+            **(
+                {"copy_anchor_weight": d["copy_anchor_weight"]}
+                if d["copy_anchor_weight"] != 1.0
+                else {}
+            ),
             # The training code itself (the train rule's code param): resuming a run with other
             # code would silently mix two runs, or re-export a finished one.
             "code": code_hash(*TRAINING_CODE),

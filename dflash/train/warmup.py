@@ -95,6 +95,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         compile=ccfg["enabled"],
         compile_scope=ccfg["scope"],
         distill=config["train"]["distill"],
+        copy_weight=dcfg["copy_anchor_weight"],
     )
     width = feature_width(cfg, config["train"]["distill"])
     # step_s is the fastest step after the first: on an H200 the one step right after compiling
