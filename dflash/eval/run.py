@@ -184,6 +184,7 @@ def run(args) -> None:
     gens |= {name: setup.decode(name, proposer) for name, proposer in methods.items()}
     if config["eval"]["with_lookup"]:
         gens[WITH_LOOKUP] = setup.decode_tree(WITH_LOOKUP, methods["drafter"], None, 1, True)
+    setup.monitor.close()  # every clock has run
     results = {
         name: summarize(setup.prompts, gs, setup.block_size, gens["target"])
         for name, gs in gens.items()
@@ -249,6 +250,7 @@ def run_ddtree(args) -> None:
     budgets = {name: b for name, b, _ in variants}
     for name, budget, lookup in variants:
         gens[name] = setup.decode_tree(name, proposer, budget, tree_cfg["topk"], lookup)
+    setup.monitor.close()
     base = summarize(setup.prompts, gens["target"], setup.block_size, gens["target"])
     rows = []
     for name, gs in gens.items():
