@@ -24,23 +24,21 @@ REPS = {"cuda": 20, "cpu": 3}
 WARM = 3  # CUDA graph captures (and compiles of a new shape) happen in these
 
 
-def _timed_ms(step, device: torch.device) -> float:
+def _timed_ms(step, reps: int) -> float:
     """Milliseconds per call of `step`, each call ending in a host sync as a decoding round's
     does (it reads the verified tokens)."""
-    kind = device.type if device.type in REPS else "cpu"
     for _ in range(WARM):
         step()
     started = time.perf_counter()
-    for _ in range(REPS[kind]):
+    for _ in range(reps):
         step()
-    return round(1000 * (time.perf_counter() - started) / REPS[kind], 3)
+    return round(1000 * (time.perf_counter() - started) / reps, 3)
 
 
 def probe_steps(target, proposer: DrafterProposer, vocab_size: int) -> dict:
     """ms of a 1-token and a B-token verify forward and of one drafter round (B-1 drafts from B
     new context rows), each after the same seeded prefix; and the sessions' cache sizes."""
-    device = target.device
-    kind = device.type if device.type in PREFIX else "cpu"
+    kind = target.device.type if target.device.type in PREFIX else "cpu"
     block = proposer.block_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab_size, (PREFIX[kind],), generator=g).tolist()
@@ -64,9 +62,9 @@ def probe_steps(target, proposer: DrafterProposer, vocab_size: int) -> dict:
         int(drafter.draft_logits(prefix[-1], features[:block]).argmax(-1)[-1])
 
     return {
-        "verify_1_ms": _timed_ms(verify(1), device),
-        f"verify_{block}_ms": _timed_ms(verify(block), device),
-        "drafter_round_ms": _timed_ms(draft, device),
+        "verify_1_ms": _timed_ms(verify(1), REPS[kind]),
+        f"verify_{block}_ms": _timed_ms(verify(block), REPS[kind]),
+        "drafter_round_ms": _timed_ms(draft, REPS[kind]),
         "target_cache_rows": _rows(target),
         "drafter_cache_rows": drafter.cache.capacity if drafter.cache is not None else None,
     }
