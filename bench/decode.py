@@ -29,15 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.eval.decode import (  # noqa: E402
-    DrafterProposer,
-    HFSession,
-    Proposer,
-    StaticSession,
-    generate,
-    generate_tree,
-)
+from dflash.eval.decode import DrafterProposer, Proposer, generate, generate_tree  # noqa: E402
 from dflash.eval.metrics import acceptance  # noqa: E402
+from dflash.eval.sessions import HFSession, StaticSession  # noqa: E402
 from dflash.eval.setup import LookupProposer, encode, eos_ids, eval_prompts  # noqa: E402
 from dflash.model.decoder import supports_static  # noqa: E402
 from dflash.model.drafter import Drafter, DrafterConfig, load_drafter  # noqa: E402

@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash.eval.decode import StaticSession
+from dflash.eval.sessions import StaticSession
 from dflash.model.target import default_layer_ids
 
 p = argparse.ArgumentParser()

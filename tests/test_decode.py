@@ -5,17 +5,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.eval.decode import (
-    DrafterProposer,
-    DrafterSession,
-    HFSession,
-    Proposer,
-    StaticSession,
-    generate,
-    generate_tree,
-)
+from dflash.eval.decode import DrafterProposer, Proposer, generate, generate_tree
 from dflash.eval.probe import probe_steps
 from dflash.eval.run import LookupProposer
+from dflash.eval.sessions import DrafterSession, HFSession, StaticSession
 from dflash.model.drafter import Drafter, DrafterConfig, layer_projections, layer_rest
 from dflash.model.engine import BatchedGreedy, StaticTarget
 from dflash.model.fused import StepPieces, fused
@@ -365,3 +358,28 @@ def test_the_clock_probe_between_methods_leaves_decoding_as_it_was(target, draft
     assert [g.accepted for g in after] == [g.accepted for g in before]
     assert min(probe["verify_1_ms"], probe[f"verify_{BLOCK}_ms"], probe["drafter_round_ms"]) > 0
     assert probe["drafter_cache_rows"] >= 64 + BLOCK  # the CPU probe's prefix and a round
+
+
+@pytest.mark.parametrize("budget", ["plain", None, 6], ids=["generate", "chain", "ddtree"])
+def test_a_round_reads_no_cache_row_past_its_span(target, drafter, budget, monkeypatch):
+    """A round costs the same whatever longer prompts grew the caches before it: the target's
+    and the drafter's steps read only the rows up to their span (`attended`). Every row past
+    the first span is NaN here, which any read of it would spread into the tokens."""
+    from dflash.eval import sessions
+
+    def decode(span_rows):
+        monkeypatch.setattr(sessions, "SPAN_ROWS", span_rows)
+        t, p = session(target, drafter), proposer(target, drafter)
+        t.reset(4096)
+        p.start(PROMPTS[0], t.forward(PROMPTS[0])[1], 4096)  # the drafter's cache, allocated
+        for cache in (*t.engine.keys, *t.engine.values, *sum(p.session.cache.kv, ())):
+            cache[:, :, 256:] = float("nan")
+        prompt = PROMPTS[2]
+        if budget == "plain":
+            return generate(t, p, prompt, 40, set())
+        return generate_tree(t, p, prompt, 40, set(), budget, 4)
+
+    reference = greedy(target, drafter, PROMPTS[2])
+    out = decode(256)
+    assert out.tokens == reference.tokens
+    assert decode(1 << 20).tokens != reference.tokens  # the whole cache: the NaN rows are read

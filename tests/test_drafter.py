@@ -470,7 +470,8 @@ def test_spec_generate_of_the_export_commits_what_our_evaluation_commits(
     tests/test_reference_client.py checks it on a trained drafter and against the reference."""
     from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
-    from dflash.eval.decode import DrafterProposer, HFSession, generate
+    from dflash.eval.decode import DrafterProposer, generate
+    from dflash.eval.sessions import HFSession
 
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(**small_decoder)).eval()

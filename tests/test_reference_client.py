@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.eval.decode import DrafterProposer, generate, target_session
+from dflash.eval.decode import DrafterProposer, generate
+from dflash.eval.sessions import target_session
 from dflash.eval.sets import held_out
 from dflash.eval.setup import encode, eos_ids
 from dflash.model.drafter import load_drafter

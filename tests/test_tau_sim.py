@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.eval.decode import DrafterProposer, Proposer, StaticSession, generate
+from dflash.eval.decode import DrafterProposer, Proposer, generate
 from dflash.eval.predicted import full_features
+from dflash.eval.sessions import StaticSession
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
 from dflash.model.tau_sim import capped, response_spans, simulate, tau_macro, walk

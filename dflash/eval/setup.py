@@ -12,16 +12,10 @@ from pathlib import Path
 import torch
 
 from dflash.config import expand_user
-from dflash.eval.decode import (
-    DrafterProposer,
-    Generation,
-    Proposer,
-    generate,
-    generate_tree,
-    target_session,
-)
+from dflash.eval.decode import DrafterProposer, Generation, Proposer, generate, generate_tree
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.probe import probe_steps
+from dflash.eval.sessions import target_session
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.gpus import claim_gpu
 from dflash.host import HostMonitor, describe_host, summarize_host

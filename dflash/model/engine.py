@@ -58,12 +58,14 @@ class StaticTarget:
         self.eager = StepPieces(weight.device, compiled=False)
 
     @torch.no_grad()
-    def forward(self, ids, positions, slots, mask=None, last_only: bool = False):
+    def forward(self, ids, positions, slots, mask=None, last_only: bool = False, span=None):
         """(argmax next token per query (q,), features (q, n*H)) of ids (1, q); with
         `last_only` the LM head runs on the last query alone (a prompt: q x vocab logits of a
-        long one would take gigabytes)."""
+        long one would take gigabytes). The queries read the cache's first `span` rows (None:
+        all); a `mask` is (1, 1, q, span)."""
+        span = span or self.capacity
         if mask is None:
-            mask = (self.rows[None] <= positions[0][:, None])[None, None]
+            mask = (self.rows[None, :span] <= positions[0][:, None])[None, None]
         x = self.decoder.embed_tokens(ids)
         cos, sin = self.decoder.rotary_emb(x, positions)
         features = []
@@ -76,8 +78,9 @@ class StaticTarget:
             q, k, v = pieces.projections(layer, x, cos, sin, self.head_dim)
             self.keys[i].index_copy_(2, slots, k)
             self.values[i].index_copy_(2, slots, v)
+            keys, values = self.keys[i][:, :, :span], self.values[i][:, :, :span]
             out = F.scaled_dot_product_attention(
-                q, self.keys[i], self.values[i], attn_mask=mask, scale=attn.scaling, enable_gqa=True
+                q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True
             )
             x = pieces.mlp(layer, x, out.transpose(1, 2).reshape(1, q_len, -1))
             if i in self.layer_ids:
@@ -93,12 +96,14 @@ class StaticTarget:
 
 class StaticDrafterCache:
     """The drafter's context keys/values in preallocated rows; `slots` says where the next
-    context rows go (set before each call). Rows past the valid length are masked by the caller."""
+    context rows go and `span` how many of the first rows the block reads (both set before each
+    call). Rows past the valid length are masked by the caller."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.slots: torch.Tensor | None = None
+        self.span = capacity
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if layer == len(self.kv):
@@ -107,7 +112,7 @@ class StaticDrafterCache:
         keys, values = self.kv[layer]
         keys.index_copy_(2, self.slots, k)
         values.index_copy_(2, self.slots, v)
-        return keys, values
+        return keys[:, :, : self.span], values[:, :, : self.span]
 
 
 # Cache rows per flex_attention key block: the decode step reads only the blocks up to each
