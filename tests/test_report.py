@@ -1,7 +1,7 @@
 """The summary's per-prompt line, on a hand-made `per_prompt` record of eval/acceptance.json, and
 its first-step seconds."""
 
-from dflash.eval.clock import busy_clocks, clock_caveats, probe_spread
+from dflash.eval.clock import busy_clocks, clock_caveats, probe_spread, same_prompt_speedups
 from dflash.eval.report import _startup, per_prompt_text
 
 
@@ -79,22 +79,48 @@ def test_the_same_fixed_step_timed_differently_in_two_stages_is_named_in_the_sum
         out = {"live": {"verify_1_ms": 1.7, "verify_16_ms": verify, "drafter_round_ms": drafter}}
         return out | {"fixed": {"verify_16_ms": fixed, "drafter_round_ms": 0.3}}
 
-    acceptance = {
-        "block_size": 16,
-        "clock_probe": {"target": probe(2.62, 0.30), "lookup": probe(2.7, 0.31)},
-    }
-    ddtree = {"clock_probe": {"target": probe(2.65, 0.30), "chain": probe(2.6, 0.3)}}
+    acceptance = {"block_size": 16, "clock_probe": probe(2.7, 0.31)}
+    ddtree = {"clock_probe": probe(2.6, 0.3)}
     assert probe_spread(acceptance, ddtree) == ""  # within PROBE_TOLERANCE
     assert probe_spread({"block_size": 16}, {}) == ""  # records from before the probe
-    acceptance["clock_probe"]["drafter"] = probe(4.9, 0.31, fixed=4.8)
-    ddtree["clock_probe"]["chain"] = probe(2.6, 0.3, fixed=2.55)
+    acceptance["clock_probe"] = probe(4.9, 0.31, fixed=4.8)
+    ddtree["clock_probe"] = probe(2.6, 0.3, fixed=2.55)
     text = probe_spread(acceptance, ddtree)
-    assert text.startswith("**Clock check:** the same 16-token verify forward took 4.90 ms")
-    assert "after drafter in the acceptance stage but 2.60 ms after" in text
+    assert text.startswith("**Clock caveat:** the same 16-token verify forward took 4.90 ms")
+    assert "in the acceptance stage but 2.60 ms in DDTree's stage" in text
     assert "(on sessions of a fixed small cache: 4.80 and 2.55 ms)" in text
-    assert "drafter round" not in text  # that one agreed
+    assert "drafter round" not in text and "1-token" not in text  # those agreed
     quiet = {**ddtree, "results": [], "target_host": None}
     assert clock_caveats({**acceptance, "baselines": {}}, quiet) == [text]
     # probes from a CPU (no fixed-cache part) are recorded, not judged: too few repetitions
-    cpu = {m: {"live": p["live"]} for m, p in acceptance["clock_probe"].items()}
+    cpu = {"live": acceptance["clock_probe"]["live"]}
     assert probe_spread({**acceptance, "clock_probe": cpu}, ddtree) == ""
+
+
+def per_prompt(ids, target_s, method, method_s, texts=None):
+    texts = texts or ["t"] * len(ids)
+    return {
+        "ids": ids,
+        "target": {"seconds": target_s, "text": ["r"] * len(ids)},
+        "methods": {method: {"seconds": method_s, "text": texts}},
+    }
+
+
+def test_the_drafters_speedup_on_the_same_prompts_is_compared_across_the_stages():
+    """The summary says whether the drafter's speedup agrees between the two stages on the
+    prompts both decoded to the same text, each against its own stage's target clock."""
+    acceptance = {"per_prompt": per_prompt(["a", "b", "c"], [2, 2, 9], "drafter", [1, 1, 1])}
+    ddtree = {"per_prompt": per_prompt(["b", "a"], [2.1, 2.0], "chain", [1.0, 1.02])}
+    text = same_prompt_speedups(acceptance, ddtree)
+    assert text == (
+        "**Clock check:** on the 2 prompts both stages decoded to the same text, the drafter's "
+        "speedup over the target alone is 2.00x in the acceptance stage and 2.03x as DDTree's "
+        "chain; they agree within 5%."
+    )
+    ddtree["per_prompt"]["methods"]["chain"]["seconds"] = [0.5, 0.5]  # twice as fast there
+    assert "4.10x as DDTree's chain; they differ by more than 5%" in (
+        same_prompt_speedups(acceptance, ddtree)
+    )
+    ddtree["per_prompt"]["methods"]["chain"]["text"] = ["x", "t"]  # b decoded differently
+    assert "on the 1 prompts" in same_prompt_speedups(acceptance, ddtree)
+    assert same_prompt_speedups(acceptance, {}) == ""  # records without per-prompt clocks

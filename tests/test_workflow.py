@@ -468,8 +468,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert all(h["cpus"] >= 1 and h["other_cpu_samples"] >= 0 for h in hosts)
     # the same fixed steps timed after every method (on a CPU, the live sessions only)
     verify = f"verify_{acc['block_size']}_ms"
-    assert set(acc["clock_probe"]) == {"target", "lookup", "untrained", "drafter", "drafter+lookup"}
-    assert all(p["live"][verify] > 0 and "fixed" not in p for p in acc["clock_probe"].values())
+    assert acc["clock_probe"]["live"][verify] > 0 and "fixed" not in acc["clock_probe"]
     metrics = [
         json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
     ]
@@ -481,8 +480,10 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     tree = json.loads((flow.results / "eval/ddtree.json").read_text())
     assert [r["budget"] for r in tree["results"]] == [7, 4, 16] and tree["lossless"] == 1.0
     assert tree["target_host"]["cpus"] >= 1 and all(r["host"]["cpus"] >= 1 for r in tree["results"])
-    assert set(tree["clock_probe"]) == {"target", *(r["method"] for r in tree["results"])}
+    assert tree["clock_probe"]["live"][verify] > 0
     summary = (flow.results / "summary.md").read_text()
+    # the drafter's speedup on the prompts both stages decoded alike, stage against stage
+    assert "**Clock check:** on the 2 prompts both stages decoded to the same text" in summary
     assert f"τ = {acc['tau_macro']:.3f} (macro" in summary
     assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary
     assert "| drafter + lookup branch |" in summary

@@ -1,5 +1,6 @@
-"""What the summary says about the evaluation's wall clock: whether a method decoded beside other
-work (its `host` record), and whether the same fixed steps cost the same in every stage (the
+"""What the summary says about the evaluation's wall clock: whether the drafter's speedup on the
+same prompts agrees between the two stages, whether a method decoded beside other work (its
+`host` record), and whether the same fixed steps cost the same in both stages (the
 `clock_probe` records of `dflash.eval.probe`). A caveat here means that tokens/s and speedups
 differ between methods or stages for reasons other than the methods themselves.
 """
@@ -38,52 +39,100 @@ def busy_clocks(acceptance: dict, ddtree: dict) -> str:
     )
 
 
-# The spread above which the same fixed step is said to cost differently across the stages: the
+# How far apart one method's speedups on the same prompts may be in the two stages: the issue's
+# "within noise" for a clock read over a few dozen prompts
+SPEEDUP_TOLERANCE = 0.05
+# The spread above which the same fixed step is said to cost differently in the two stages: the
 # steps are timed in a few dozen calls, so a few per cent is noise
 PROBE_TOLERANCE = 0.10
-STAGES = {"acceptance": "the acceptance stage", "ddtree": "DDTree's stage"}
+
+
+def same_prompt_speedups(acceptance: dict, ddtree: dict) -> str:
+    """The drafter's speedup in the acceptance stage against the same drafter's (the chain's) in
+    DDTree's, on the prompts both decoded to the same text: each stage's own target-alone clock
+    on those prompts is the base. '' where the records lack per-prompt clocks."""
+    a, d = acceptance.get("per_prompt"), ddtree.get("per_prompt")
+    if not a or not d or "drafter" not in a["methods"] or "chain" not in d["methods"]:
+        return ""
+    at = {k: i for i, k in enumerate(a["ids"])}
+    shared = [
+        (at[k], j)
+        for j, k in enumerate(d["ids"])
+        if k in at
+        and a["methods"]["drafter"]["text"][at[k]] == d["methods"]["chain"]["text"][j]
+        and a["target"]["text"][at[k]] == d["target"]["text"][j]
+    ]
+    if not shared:
+        return ""
+
+    def speedup(record, method, side):
+        target = sum(record["target"]["seconds"][ij[side]] for ij in shared)
+        drafted = sum(record["methods"][method]["seconds"][ij[side]] for ij in shared)
+        return target / drafted if drafted > 0 else None
+
+    ours, theirs = speedup(a, "drafter", 0), speedup(d, "chain", 1)
+    if ours is None or theirs is None:
+        return ""
+    agree = abs(ours / theirs - 1) <= SPEEDUP_TOLERANCE
+    verdict = (
+        f"they agree within {SPEEDUP_TOLERANCE:.0%}"
+        if agree
+        else f"they differ by more than {SPEEDUP_TOLERANCE:.0%}: the two stages' clocks disagree"
+    )
+    return (
+        f"**Clock check:** on the {len(shared)} prompts both stages decoded to the same text, "
+        f"the drafter's speedup over the target alone is {ours:.2f}x in the acceptance stage and "
+        f"{theirs:.2f}x as DDTree's chain; {verdict}."
+    )
 
 
 def probe_spread(acceptance: dict, ddtree: dict) -> str:
     """A caveat naming each fixed step whose time differed by more than PROBE_TOLERANCE between
-    methods or stages (on the live sessions), or ''. Only probes taken on a GPU (those with a
-    `fixed` part) are judged: a CPU's few repetitions of a 50 ms step vary more than that."""
+    the two stages (on their live sessions, after every method), or ''. Only probes taken on a
+    GPU (those with a `fixed` part) are judged: a CPU's few repetitions of a 50 ms step vary more
+    than that."""
     block = acceptance.get("block_size", 16)
-    timed = {}  # (stage, method) -> its probe
-    for stage, record in (("acceptance", acceptance), ("ddtree", ddtree)):
-        for method, probe in (record.get("clock_probe") or {}).items():
-            if "fixed" in probe:
-                timed[stage, method] = probe
+    probes = {"the acceptance stage": acceptance.get("clock_probe")}
+    probes["DDTree's stage"] = ddtree.get("clock_probe")
+    if not all(p and "fixed" in p for p in probes.values()):
+        return ""
     found = []
     steps = {
+        "verify_1_ms": "1-token step",
         f"verify_{block}_ms": f"{block}-token verify forward",
         "drafter_round_ms": "drafter round",
     }
     for key, step in steps.items():
-        live = {where: p["live"][key] for where, p in timed.items() if p.get("live", {}).get(key)}
-        if len(live) < 2:
+        live = {stage: p["live"].get(key) for stage, p in probes.items()}
+        if None in live.values():
             continue
         slow, fast = max(live, key=live.get), min(live, key=live.get)
         if live[slow] <= live[fast] * (1 + PROBE_TOLERANCE):
             continue
-        fixed = [timed[w].get("fixed", {}).get(key) for w in (slow, fast)]
+        fixed = [probes[stage]["fixed"].get(key) for stage in (slow, fast)]
         also = (
             f" (on sessions of a fixed small cache: {fixed[0]:.2f} and {fixed[1]:.2f} ms)"
             if None not in fixed
             else ""
         )
         found.append(
-            f"the same {step} took {live[slow]:.2f} ms after {slow[1]} in {STAGES[slow[0]]} but "
-            f"{live[fast]:.2f} ms after {fast[1]} in {STAGES[fast[0]]}{also}"
+            f"the same {step} took {live[slow]:.2f} ms in {slow} but {live[fast]:.2f} ms in "
+            f"{fast}{also}"
         )
     if not found:
         return ""
     return (
-        "**Clock check:** " + "; ".join(found) + ". Tokens/s of methods timed in those places "
-        "differ by more than their methods do (`clock_probe` in eval/*.json, docs/evaluation.md)."
+        "**Clock caveat:** " + "; ".join(found) + ". Tokens/s of the two stages differ by more "
+        "than their methods do (`clock_probe` in eval/*.json, docs/evaluation.md)."
     )
 
 
 def clock_caveats(acceptance: dict, ddtree: dict) -> list[str]:
-    """The summary's caveats about its wall clock, each one paragraph; none on a clean run."""
-    return [c for c in (busy_clocks(acceptance, ddtree), probe_spread(acceptance, ddtree)) if c]
+    """The summary's paragraphs about its wall clock: the two stages' agreement on the same
+    prompts, then any caveat (none on a clean run)."""
+    checks = (
+        same_prompt_speedups(acceptance, ddtree),
+        busy_clocks(acceptance, ddtree),
+        probe_spread(acceptance, ddtree),
+    )
+    return [c for c in checks if c]

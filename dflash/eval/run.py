@@ -172,19 +172,17 @@ def run(args) -> None:
     """results/eval/acceptance.json: the trained drafter, its baselines, tau_sim."""
     setup = Setup(args)
     config = setup.config
-    gens = {"target": setup.reference()}
     methods = {}
     if "lookup" in config["eval"]["baselines"]:
-        methods["lookup"] = LookupProposer(setup.block_size)
+        methods["lookup"] = setup.chain(LookupProposer(setup.block_size))
     if "untrained" in config["eval"]["baselines"]:
         torch.manual_seed(config["seed"])  # the same initialisation training started from
         untrained = Drafter(setup.drafter.config).to(setup.head.device).eval()
-        methods["untrained"] = DrafterProposer(untrained, setup.embed, setup.head)
-    methods["drafter"] = setup.proposer
-    gens |= {name: setup.decode(name, proposer) for name, proposer in methods.items()}
+        methods["untrained"] = setup.chain(DrafterProposer(untrained, setup.embed, setup.head))
+    methods["drafter"] = setup.chain(setup.proposer)
     if config["eval"]["with_lookup"]:
-        gens[WITH_LOOKUP] = setup.decode_tree(WITH_LOOKUP, methods["drafter"], None, 1, True)
-    setup.monitor.close()  # every clock has run
+        methods[WITH_LOOKUP] = setup.tree(setup.proposer, None, 1, True)
+    gens = setup.decode_all(methods)
     results = {
         name: summarize(setup.prompts, gs, setup.block_size, gens["target"])
         for name, gs in gens.items()
@@ -243,14 +241,16 @@ def run_ddtree(args) -> None:
     tree_cfg = args.config["eval"]["ddtree"]
     setup = Setup(args, tree_cfg["max_prompts"])
     proposer = setup.proposer
-    gens = {"target": setup.reference(), "chain": setup.decode("chain", proposer)}
     variants = [(f"tree-{b}", b, False) for b in tree_cfg["budgets"]]
     if tree_cfg["with_lookup"]:
         variants += [(f"{name}+lookup", b, True) for name, b, _ in variants]
     budgets = {name: b for name, b, _ in variants}
-    for name, budget, lookup in variants:
-        gens[name] = setup.decode_tree(name, proposer, budget, tree_cfg["topk"], lookup)
-    setup.monitor.close()
+    methods = {"chain": setup.chain(proposer)}
+    methods |= {
+        name: setup.tree(proposer, budget, tree_cfg["topk"], lookup)
+        for name, budget, lookup in variants
+    }
+    gens = setup.decode_all(methods)
     base = summarize(setup.prompts, gens["target"], setup.block_size, gens["target"])
     rows = []
     for name, gs in gens.items():

@@ -1,12 +1,13 @@
 """What every eval command loads before it decodes (`Setup`): the target with a KV cache, the
 drafter, the eval prompts encoded with the target's chat template, its stop tokens and the
-fingerprints of both models' weights; and the decoding of every prompt by one method, logged.
+fingerprints of both models' weights; and the decoding of every prompt by every method, logged.
 The two stages that use it are `dflash.eval.run` (`run`: acceptance; `run_ddtree`: tree budgets).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from dflash.model.step import resolve_device
 from dflash.model.target import eos_ids, load_target  # noqa: F401 (eos_ids re-exported)
 
 log = logging.getLogger(__name__)
+
+Method = Callable[[list[int]], Generation]  # a prompt's ids -> its decoding
 
 # NVML asked about the GPU this often while decoding: a method decodes for a minute or less
 HOST_GPU_EVERY_S = 5.0
@@ -89,7 +92,7 @@ class Setup:
         self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight
         # the trained drafter's proposer, shared by every method that drafts with it
         self.proposer = DrafterProposer(self.drafter, self.embed, self.head)
-        self.probes: dict[str, dict] = {}  # method -> the fixed steps timed after it (probe.py)
+        self.probes: dict = {}  # the fixed steps timed after every method (probe.py)
         self._fixed = None  # sessions no method decodes with, for `probes`' fixed-cache timing
         self.block_size = self.drafter.config.block_size
         self.stop = eos_ids(args.target, self.tokenizer)
@@ -107,56 +110,53 @@ class Setup:
         self.monitor = HostMonitor(uuids, gpu_every_s=HOST_GPU_EVERY_S)
         self.hosts: dict[str, dict] = {}
 
-    def reference(self) -> list[Generation]:
-        """Target-only greedy decoding of every prompt; later turns (followups) are added to the
+    def chain(self, proposer: Proposer) -> Method:
+        """A method that decodes a prompt with `proposer`'s drafts (none: the target alone)."""
+        return lambda ids: generate(self.session, proposer, ids, self.max_new, self.stop)
+
+    def tree(
+        self, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool
+    ) -> Method:
+        """A method that decodes a prompt with a draft tree (`generate_tree`): DDTree of
+        `budget` nodes, or the drafter's chain (None); `lookup` adds prompt lookup's
+        continuation as a branch."""
+        return lambda ids: generate_tree(
+            self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup
+        )
+
+    def decode_all(self, methods: dict[str, Method]) -> dict[str, list[Generation]]:
+        """Each prompt decoded by the target alone (the reference), then by every method, back
+        to back. A slow spell of the machine (a shared host's CPU, seconds long) then falls on
+        every method of the prompts it lasts, not on whichever method was running: a speedup
+        is a ratio of clocks taken a second apart. Later turns (followups) are added to the
         prompts after the target's own answer to the turn before, and decoded too."""
-        gens, pending = [], list(self.prompts)
+        gens: dict[str, list[Generation]] = {"target": [], **{name: [] for name in methods}}
+        pending = list(self.prompts)
         self.prompts, self.encoded = [], []
         self.monitor.window()  # loading the models is not a method's
         while pending:
             encoded = [encode(self.tokenizer, p) for p in pending]
-            out = [self._decode(Proposer(), ids) for ids in encoded]
+            for ids in encoded:
+                gens["target"].append(self.chain(Proposer())(ids))
+                for name, method in methods.items():
+                    gens[name].append(method(ids))
+            answers = gens["target"][-len(pending) :]
             self.prompts += pending
             self.encoded += encoded
-            gens += out
             pending = [
                 p.followup(self.tokenizer.decode(g.tokens, skip_special_tokens=True))
-                for p, g in zip(pending, out, strict=True)
+                for p, g in zip(pending, answers, strict=True)
                 if p.followups
             ]
-        self.log_generations("target", gens)
+        host = summarize_host([self.monitor.window()])
+        self.monitor.close()  # every clock has run
+        log.info("host while the methods decoded: %s", describe_host(host))
+        self.hosts = dict.fromkeys(gens, host)  # one window: the methods took turns in it
+        for name, gs in gens.items():
+            log_generations(name, gs)
+        self.probes = self.probe()
+        log.info("the fixed steps after every method: %s", self.probes)
         return gens
-
-    def _decode(self, proposer: Proposer, ids: list[int]) -> Generation:
-        return generate(self.session, proposer, ids, self.max_new, self.stop)
-
-    def decode(self, name: str, proposer: Proposer) -> list[Generation]:
-        gens = [self._decode(proposer, ids) for ids in self.encoded]
-        self.log_generations(name, gens)
-        return gens
-
-    def decode_tree(
-        self, name: str, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool
-    ) -> list[Generation]:
-        """Every prompt decoded with a draft tree (`generate_tree`): DDTree of `budget` nodes, or
-        the drafter's chain (None); `lookup` adds prompt lookup's continuation as a branch."""
-        gens = [
-            generate_tree(
-                self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup
-            )
-            for ids in self.encoded
-        ]
-        self.log_generations(name, gens)
-        return gens
-
-    def log_generations(self, name: str, gens: list[Generation]) -> None:
-        """The method's speed in the log, the host's state while it ran in `hosts`, and the
-        same fixed steps timed after it in `probes`."""
-        self.hosts[name] = host = summarize_host([self.monitor.window()])
-        log_generations(name, gens)
-        log.info("%s: host while it decoded: %s", name, describe_host(host))
-        self.probes[name] = probe = self.probe()
-        log.info("%s: the fixed steps after it: %s", name, probe)
 
     def probe(self) -> dict:
         """The fixed steps (`dflash.eval.probe`) on the live sessions and, on a GPU, on sessions
