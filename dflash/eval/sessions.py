@@ -140,16 +140,29 @@ class StaticSession:
         assert prefix == self.length, "the tree's root follows the cached rows"
         n = tree.tokens.numel()
         span = attended(prefix + n, self.engine.capacity)
-        mask = torch.zeros(n, span, dtype=torch.bool)
-        mask[:, : prefix + n] = ddtree.tree_attention_mask(tree, prefix)
-        ids = tree.tokens[None].to(self.device)
-        positions = ddtree.tree_positions(tree, prefix)[None].to(self.device)
-        slots = self._positions(n)[0]
-        mask = mask[None, None].to(self.device)
-        step = functools.partial(self.engine.forward, span=span)
-        out = self.graphs(("tree", n, span), step, ids, positions, slots, mask)
+        # two copies to the GPU (tokens with positions, the nodes' ancestors); the (n, span)
+        # mask is built inside the step, not on the host every round
+        nodes = torch.stack([tree.tokens, ddtree.tree_positions(tree, prefix)]).to(self.device)
+        ancestors = ddtree.tree_attention_mask(tree, 0).to(self.device)
+        out = self.graphs(("tree", n, span), self._tree(span), nodes, ancestors)
         self.length = prefix + n
         return out
+
+    def _tree(self, span: int):
+        def step(nodes, ancestors):
+            """Node i sees the cache rows before the root (its position `prefix`) and, among
+            the tree's own rows prefix.., its ancestors and itself."""
+            ids, positions = nodes[:1], nodes[1:]
+            n, prefix = ids.shape[1], positions[0, :1]
+            rows = torch.arange(span, device=ids.device)
+            offset = rows - prefix  # a row's node, for the tree's rows
+            in_tree = (offset >= 0) & (offset < n)
+            tree = ancestors.gather(1, offset.clamp(0, n - 1).expand(n, span)) & in_tree
+            mask = ((rows < prefix) | tree)[None, None]
+            slots = prefix + torch.arange(n, device=ids.device)
+            return self.engine.forward(ids, positions, slots, mask, span=span)
+
+        return step
 
     def keep_path(self, path: list[int], prefix: int) -> None:
         if path:
