@@ -348,7 +348,7 @@ def test_a_lookup_branch_accepts_whichever_branch_the_target_follows(target, dra
 
 
 def test_the_clock_probe_between_methods_leaves_decoding_as_it_was(target, drafter, kind):
-    """The evaluation times fixed steps on its live sessions after each method (the clock's
+    """The evaluation times fixed steps on its live sessions after its methods (the clock's
     check): the methods after it decode the same tokens in the same rounds."""
     t, p = session(target, drafter, kind), proposer(target, drafter)
     before = [generate(t, p, prompt, 40, set()) for prompt in PROMPTS]
@@ -361,25 +361,64 @@ def test_the_clock_probe_between_methods_leaves_decoding_as_it_was(target, draft
 
 
 @pytest.mark.parametrize("budget", ["plain", None, 6], ids=["generate", "chain", "ddtree"])
-def test_a_round_reads_no_cache_row_past_its_span(target, drafter, budget, monkeypatch):
+@pytest.mark.parametrize("poisoned", ["target", "drafter"])
+def test_a_round_reads_no_cache_row_past_its_span(target, drafter, budget, poisoned, monkeypatch):
     """A round costs the same whatever longer prompts grew the caches before it: the target's
-    and the drafter's steps read only the rows up to their span (`attended`). Every row past
-    the first span is NaN here, which any read of it would spread into the tokens."""
+    and the drafter's steps read only the rows up to their span (`attended`). Every row of one
+    cache past the first span is NaN here, which any read of it would spread into the tokens."""
     from dflash.eval import sessions
 
     def decode(span_rows):
         monkeypatch.setattr(sessions, "SPAN_ROWS", span_rows)
         t, p = session(target, drafter), proposer(target, drafter)
         t.reset(4096)
-        p.start(PROMPTS[0], t.forward(PROMPTS[0])[1], 4096)  # the drafter's cache, allocated
-        for cache in (*t.engine.keys, *t.engine.values, *sum(p.session.cache.kv, ())):
+        features = t.forward(PROMPTS[0])[1]
+        p.start(PROMPTS[0], features, 4096)
+        p.session.draft_logits(PROMPTS[0][-1], features)  # allocates the drafter's cache
+        caches = {"target": t.engine.keys + t.engine.values, "drafter": sum(p.session.cache.kv, ())}
+        for cache in caches[poisoned]:
             cache[:, :, 256:] = float("nan")
+        draft_logits, nan_drafts = p.session.draft_logits, []
+
+        def watched(*args):  # a NaN draft is only rejected: watch the drafter's logits
+            logits = draft_logits(*args)
+            nan_drafts.append(bool(logits.isnan().any()))
+            return logits
+
+        monkeypatch.setattr(p.session, "draft_logits", watched)
         prompt = PROMPTS[2]
         if budget == "plain":
-            return generate(t, p, prompt, 40, set())
-        return generate_tree(t, p, prompt, 40, set(), budget, 4)
+            return generate(t, p, prompt, 40, set()), any(nan_drafts)
+        return generate_tree(t, p, prompt, 40, set(), budget, 4), any(nan_drafts)
 
     reference = greedy(target, drafter, PROMPTS[2])
-    out = decode(256)
-    assert out.tokens == reference.tokens
-    assert decode(1 << 20).tokens != reference.tokens  # the whole cache: the NaN rows are read
+    out, nan_drafts = decode(256)
+    assert out.tokens == reference.tokens and not nan_drafts
+    whole, nan_drafts = decode(1 << 20)  # the whole cache: the NaN rows are read
+    assert whole.tokens != reference.tokens if poisoned == "target" else nan_drafts
+
+
+@pytest.mark.parametrize("budget", ["plain", None, 6], ids=["generate", "chain", "ddtree"])
+@pytest.mark.parametrize("lookup", [False, True], ids=["", "lookup"])
+def test_decoding_across_many_span_boundaries_stays_lossless(
+    target, drafter, budget, lookup, monkeypatch
+):
+    """Spans of 4 rows: every round's steps cross span boundaries (the drafter's padded rows,
+    a tree straddling one, the span growing mid-sequence) and still decode the target's text
+    with the acceptance of whole-cache steps."""
+    from dflash.eval import sessions
+
+    def decode(prompt):
+        t, p = session(target, drafter), proposer(target, drafter)
+        if budget == "plain":
+            proposer_ = LookupProposer(BLOCK) if lookup else p
+            return generate(t, proposer_, prompt, 40, set())
+        return generate_tree(t, p, prompt, 40, set(), budget, 4, lookup)
+
+    prompts = [*PROMPTS, [4, 8, 15, 16, 23, 42] * 3]
+    whole = [decode(prompt) for prompt in prompts]
+    monkeypatch.setattr(sessions, "SPAN_ROWS", 4)
+    for prompt, reference in zip(prompts, whole, strict=True):
+        out = decode(prompt)
+        assert out.tokens == greedy(target, drafter, prompt).tokens
+        assert out.accepted == reference.accepted

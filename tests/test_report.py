@@ -72,6 +72,11 @@ def test_a_clock_beside_other_work_is_named_in_the_summary():
     assert "lookup (other processes used 40% of the 16 CPUs)" in text
     assert "DDTree chain (" in text and "1 other processes on the GPUs" in text
     assert "drafter (" not in text and "target (" not in text
+    # methods that took turns under one host record are named together, the record once
+    acceptance["host"] = acceptance["baselines"]["target"]["host"] = busy_cpu
+    text = busy_clocks(acceptance, ddtree)
+    assert "drafter, target, lookup (other processes used 40% of the 16 CPUs)" in text
+    assert text.count("40%") == 1
 
 
 def test_the_same_fixed_step_timed_differently_in_two_stages_is_named_in_the_summary():
@@ -101,6 +106,7 @@ def per_prompt(ids, target_s, method, method_s, texts=None):
     texts = texts or ["t"] * len(ids)
     return {
         "ids": ids,
+        "sets": ["held_out"] * len(ids),
         "target": {"seconds": target_s, "text": ["r"] * len(ids)},
         "methods": {method: {"seconds": method_s, "text": texts}},
     }
@@ -123,4 +129,6 @@ def test_the_drafters_speedup_on_the_same_prompts_is_compared_across_the_stages(
     )
     ddtree["per_prompt"]["methods"]["chain"]["text"] = ["x", "t"]  # b decoded differently
     assert "on the 1 prompts" in same_prompt_speedups(acceptance, ddtree)
+    ddtree["per_prompt"]["sets"] = ["mt_bench", "mt_bench"]  # the same ids in another set
+    assert same_prompt_speedups(acceptance, ddtree) == ""
     assert same_prompt_speedups(acceptance, {}) == ""  # records without per-prompt clocks

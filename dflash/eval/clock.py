@@ -20,7 +20,7 @@ def busy_clocks(acceptance: dict, ddtree: dict) -> str:
     hosts |= {k: m.get("host") for k, m in acceptance["baselines"].items()}
     hosts |= {f"DDTree {r['method']}": r.get("host") for r in ddtree["results"]}
     hosts["DDTree target"] = ddtree.get("target_host")
-    busy = []
+    busy: dict[str, list[str]] = {}  # what the machine did -> the methods it did it beside
     for name, host in hosts.items():
         if not host:
             continue
@@ -30,12 +30,14 @@ def busy_clocks(acceptance: dict, ddtree: dict) -> str:
             or host.get("gpu_foreign_processes_max")
             or host.get("gpu_throttle")
         ):
-            busy.append(f"{name} ({describe_host(host)})")
+            busy.setdefault(describe_host(host), []).append(name)
     if not busy:
         return ""
+    # the methods of one stage take turns on each prompt and share one host record
+    named = [f"{', '.join(names)} ({what})" for what, names in busy.items()]
     return (
         "**Clock caveat:** these methods decoded while the machine did other work, so their "
-        "tokens/s and speedups are not a quiet machine's: " + "; ".join(busy) + "."
+        "tokens/s and speedups are not a quiet machine's: " + "; ".join(named) + "."
     )
 
 
@@ -54,10 +56,10 @@ def same_prompt_speedups(acceptance: dict, ddtree: dict) -> str:
     a, d = acceptance.get("per_prompt"), ddtree.get("per_prompt")
     if not a or not d or "drafter" not in a["methods"] or "chain" not in d["methods"]:
         return ""
-    at = {k: i for i, k in enumerate(a["ids"])}
+    at = {k: i for i, k in enumerate(zip(a["sets"], a["ids"], strict=True))}
     shared = [
         (at[k], j)
-        for j, k in enumerate(d["ids"])
+        for j, k in enumerate(zip(d["sets"], d["ids"], strict=True))
         if k in at
         and a["methods"]["drafter"]["text"][at[k]] == d["methods"]["chain"]["text"][j]
         and a["target"]["text"][at[k]] == d["target"]["text"][j]

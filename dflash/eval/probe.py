@@ -2,7 +2,7 @@
 
 Two stages of one run decode the same prompts with the same code, yet on the H200 their rounds
 have cost 5.5 and 2.7 ms (BENCHMARKS.md 2026-12-04, "the evaluation's clock on identical
-prompts"). After every method, a stage times three steps of fixed inputs and shapes: the target's
+prompts"). Once every method has decoded, a stage times three steps of fixed inputs and shapes: the target's
 1-token and B-token verify forwards after a fixed prefix, and one drafter round. It times them on
 the live sessions that decoded the methods (whatever cache sizes and CUDA graphs those left) and,
 on a GPU, on a second pair of sessions of a fixed small cache that no method touches. The same

@@ -208,7 +208,7 @@ def run(args) -> None:
         "reference_sha256": tokens_sha256(gens["target"]),
         "lossless": min(r["overall"]["lossless"] for r in results.values()),
         "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
-        # the same fixed steps timed after each method (dflash.eval.probe): the clock's check
+        # the same fixed steps timed once every method has decoded (dflash.eval.probe)
         "clock_probe": setup.probes,
     }
     _check_lossless(setup, gens, record, Path(args.output))

@@ -92,7 +92,7 @@ class Setup:
         self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight
         # the trained drafter's proposer, shared by every method that drafts with it
         self.proposer = DrafterProposer(self.drafter, self.embed, self.head)
-        self.probes: dict = {}  # the fixed steps timed after every method (probe.py)
+        self.probes: dict = {}  # the fixed steps, timed once every method has decoded
         self._fixed = None  # sessions no method decodes with, for `probes`' fixed-cache timing
         self.block_size = self.drafter.config.block_size
         self.stop = eos_ids(args.target, self.tokenizer)
@@ -154,6 +154,9 @@ class Setup:
         self.hosts = dict.fromkeys(gens, host)  # one window: the methods took turns in it
         for name, gs in gens.items():
             log_generations(name, gs)
+        # one graph per step shape and span (sessions.attended): what the captures bought
+        drafter = getattr(self.proposer, "session", None)  # made by its first decoding
+        log.info("CUDA graphs held: target %d, drafter %d", graphs(self.session), graphs(drafter))
         self.probes = self.probe()
         log.info("the fixed steps after every method: %s", self.probes)
         return gens
@@ -172,6 +175,12 @@ class Setup:
                 )
             out["fixed"] = probe_steps(*self._fixed, vocab)
         return out
+
+
+def graphs(session) -> int:
+    """How many CUDA graphs a static session holds (none on other sessions or devices)."""
+    held = getattr(session, "graphs", None)
+    return len(held.graphs) if held is not None else 0
 
 
 def log_generations(name: str, gens: list[Generation]) -> None:

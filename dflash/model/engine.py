@@ -4,7 +4,8 @@ Batch-size-1 decoding of a small target is launch-bound: SmolLM2's 30 layers are
 launches per forward, ~20 ms eager on an H200 whatever the GPU's speed. Here every step after the
 prompt has a fixed shape (1 token, the verified block, or the tree budget), the caches never move
 (a rejected draft is dropped by moving the length back; its stale rows are masked and later
-overwritten), and on CUDA each step shape is captured once as a CUDA graph and replayed.
+overwritten), and on CUDA each step shape is captured once as a CUDA graph and replayed (once per
+span of cache rows it reads: `dflash.eval.sessions.attended`).
 
 The target's decoder is run layer by layer from its own Hugging Face modules (norms, projections,
 rotary embedding, MLP), with the attention written here over the static cache: transformers'
