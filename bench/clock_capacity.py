@@ -15,16 +15,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from random_models import random_target_and_drafter  # noqa: E402
 
 from dflash.eval import sessions  # noqa: E402
 from dflash.eval.decode import DrafterProposer  # noqa: E402
 from dflash.eval.probe import probe_steps  # noqa: E402
-from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from dflash.model.target import default_layer_ids  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--config", default="bench/configs/smollm2-135m")
@@ -34,16 +32,7 @@ p.add_argument("--drafter-layers", type=int, default=5)
 p.add_argument("--out")
 args = p.parse_args()
 
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-torch.manual_seed(0)
-config = AutoConfig.from_pretrained(args.config)
-with device:
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    layers = default_layer_ids(config.num_hidden_layers, args.drafter_layers)
-    drafter_config = DrafterConfig.for_target(config, args.drafter_layers, 16, 3)
-    drafter_config.target_layer_ids = layers
-    drafter = Drafter(drafter_config).to(dtype).eval()
+device, config, model, layers, drafter = random_target_and_drafter(args.config, args.drafter_layers)
 rows = []
 for span_rows in [int(x) for x in args.span_rows.split(",")]:
     sessions.SPAN_ROWS = span_rows or 1 << 30

@@ -17,31 +17,22 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from random_models import random_target_and_drafter  # noqa: E402
 
 from dflash.eval import ddtree  # noqa: E402
 from dflash.eval.decode import DrafterProposer  # noqa: E402
 from dflash.eval.sessions import StaticSession  # noqa: E402
-from dflash.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from dflash.model.target import default_layer_ids  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--config", default="bench/configs/smollm2-135m")
 p.add_argument("--reps", type=int, default=200)
 p.add_argument("--out")
 args = p.parse_args()
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-torch.manual_seed(0)
-config = AutoConfig.from_pretrained(args.config)
-with device:
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    layers = default_layer_ids(config.num_hidden_layers, 5)
-    drafter_config = DrafterConfig.for_target(config, 5, 16, 3)
-    drafter_config.target_layer_ids = layers
-    drafter = Drafter(drafter_config).to(dtype).eval()
+device, config, model, layers, drafter = random_target_and_drafter(args.config, 5)
 target = StaticSession(model, layers)
 proposer = DrafterProposer(drafter, model.get_input_embeddings(), model.lm_head.weight)
 prefix = torch.randint(0, config.vocab_size, (512,)).tolist()
