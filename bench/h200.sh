@@ -10,7 +10,8 @@
 #   bash bench/h200.sh start CONFIG...    # cache, then snakemake all --keep-going with the config
 #                                         # files, later over earlier (or the targets in $TARGETS;
 #                                         # $PRIORITIZE: a file Snakemake makes first)
-#                                         # under setsid (a killed run is unlocked and resumed)
+#                                         # under setsid (a killed run is unlocked and resumed),
+#                                         # from a copy of the tree in /tmp/dflash-src
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
 #   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
 #                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
@@ -73,6 +74,18 @@ start)
     rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
   fi
   bash "$0" cache
+  # The run reads its own copy of the tree: the device tool copies the working tree afresh at
+  # every call, and Snakemake's parse (or a job) starting during that copy found files missing
+  # (2026-12-04: FileNotFoundError dflash/__init__.py). results/ lives in /tmp/dflash-results,
+  # linked from both trees, so `wait` and `unpack` read it where they always did.
+  SRC=/tmp/dflash-src RES=/tmp/dflash-results
+  if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
+  mkdir -p "$RES" && ln -sfn "$RES" results
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  tar c --exclude=./results --exclude='./.carry*' --exclude=./.whl --exclude=./.venv \
+    --exclude=./.git . | tar x -C "$SRC"
+  ln -s "$RES" "$SRC/results"
+  cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
     ${PRIORITIZE:+--prioritize "$PRIORITIZE"} --configfile "${@:2}")
   "${SMK[@]}" --unlock > /dev/null 2>&1 || true
