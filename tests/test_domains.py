@@ -109,3 +109,12 @@ def test_a_template_field_missing_from_a_row_names_file_line_and_field(tmp_path)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "p.jsonl: line 2" in done.stderr and "the row has no 'q'" in done.stderr
     assert not out["train"].exists()
+
+
+def test_held_out_rows_for_a_source_not_listed_name_the_key(tmp_path):
+    write_jsonl(tmp_path / "p.jsonl", [{"q": "a?"}])
+    source = {"name": "p", "path": "p.jsonl", "template": {"user": "{q}"}}
+    done, out = expand(tmp_path, {"data": {"sources": [source], "eval_rows": {"sharegpt": 1}}})
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "data.eval_rows.sharegpt: no source named 'sharegpt'" in done.stderr
+    assert not out["train"].exists() and not out["report"].exists()

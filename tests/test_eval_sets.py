@@ -251,6 +251,25 @@ def test_held_out_keeps_system_and_first_user_turn(tmp_path):
     assert load(path, "held_out", max_prompts=1) == prompts[:1]
 
 
+def test_a_held_out_set_of_one_source(tmp_path):
+    """`source: NAME` keeps that data source's held-out rows: the mixture's held-out ShareGPT
+    rows are judged apart from its code prompts."""
+    rows = [
+        {"id": f"{source}{i}", "source": source, "conversations": user(f"{source} {i}")}
+        for source in ("chat", "code")
+        for i in range(3)
+    ]
+    path = tmp_path / "eval.parquet"
+    write_rows(rows, path)
+    assert [p.id for p in load(path, "held_out", source="code")] == ["code0", "code1", "code2"]
+    assert len(load(path, "held_out")) == 6
+    with pytest.raises(UserError, match="no prompts from source 'math' in eval set 'held_out'"):
+        load(path, "held_out", source="math")
+    gsm8k = jsonl(tmp_path / "gsm8k.jsonl", [{"question": "1+1?"}])
+    with pytest.raises(UserError, match=r"\.source: only a held_out set"):
+        load(gsm8k, "gsm8k", source="chat")
+
+
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
 def test_an_eval_set_with_a_byte_order_mark_reads_its_first_line(tmp_path, encoding):
     path = tmp_path / "gsm8k.jsonl"

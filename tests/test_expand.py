@@ -148,6 +148,22 @@ def test_split_is_deterministic_and_independent_of_source_order():
     assert split(rows, seed=4, eval_rows=5, train_rows=20)[1] != eval_a
 
 
+def test_held_out_rows_per_source_stay_when_a_source_is_added():
+    """`eval_rows: {a: 4, b: 2}`: source a's held-out rows are those of a run with a alone, so a
+    mixture's held-out τ on a compares with the earlier run's; with one source, a count per
+    source is the plain count."""
+    rows_a = [_row(f"a{i:03x}", f"question {i}") for i in range(40)]
+    rows_b = [{**_row(f"b{i:03x}", f"task {i}"), "source": "b"} for i in range(30)]
+    rows_a = [{**r, "source": "a"} for r in rows_a]
+    alone = split(rows_a, seed=1, eval_rows=4, train_rows=None)
+    assert split(rows_a, seed=1, eval_rows={"a": 4}, train_rows=None) == alone
+    train, held_out, _ = split(rows_a + rows_b, seed=1, eval_rows={"a": 4, "b": 2}, train_rows=None)
+    assert held_out[:4] == alone[1] and [r["source"] for r in held_out[4:]] == ["b", "b"]
+    assert len(train) == 70 - 6 and not {r["id"] for r in train} & {r["id"] for r in held_out}
+    # a count over all sources draws from the mixture's one shuffle: a's rows change
+    assert split(rows_a + rows_b, seed=1, eval_rows=6, train_rows=None)[1][:4] != alone[1]
+
+
 def _row(row_id: str, question: str, answer: str = "a", system: str | None = None) -> dict:
     turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     if system is not None:

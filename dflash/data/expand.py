@@ -130,22 +130,44 @@ def opening_prompt(row: dict) -> str:
     return " ".join(" ".join(system + first_user).split())
 
 
-def split(rows: list[dict], seed: int, eval_rows: int, train_rows: int | None):
-    """Deterministic shuffle (independent of source order), then the held-out split: rows of
-    distinct opening prompts, none of which a training row opens with. A shared prompt would put
-    the held-out answer in the training data word for word (ShareGPT holds many reposted
-    prompts: 4 of 24 held-out rows had one), and the drafter would be judged on text it learnt by
-    heart. Returns (train, held_out, rows left out for sharing a held-out prompt)."""
+def shuffled(rows: list[dict], seed: int) -> list[dict]:
+    """Deterministic shuffle, independent of source order."""
     ordered = sorted(rows, key=lambda r: r["id"])
     random.Random(seed).shuffle(ordered)
-    held_out, held_prompts = [], set()
+    return ordered
+
+
+def held_out_rows(ordered: list[dict], count: int, held_prompts: set[str]) -> list[dict]:
+    """The first `count` rows of distinct opening prompts not yet held (`held_prompts` grows)."""
+    held_out = []
     for row in ordered:
-        if len(held_out) == eval_rows:
+        if len(held_out) == count:
             break
         prompt = opening_prompt(row)
         if prompt not in held_prompts:
             held_prompts.add(prompt)
             held_out.append(row)
+    return held_out
+
+
+def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | None):
+    """Deterministic shuffle (independent of source order), then the held-out split: rows of
+    distinct opening prompts, none of which a training row opens with. A shared prompt would put
+    the held-out answer in the training data word for word (ShareGPT holds many reposted
+    prompts: 4 of 24 held-out rows had one), and the drafter would be judged on text it learnt by
+    heart. `eval_rows` per source ({sharegpt: 24, codeio: 16}) draws each source's rows from its
+    own shuffle, so adding a source leaves another's held-out rows as they were (with one source
+    it equals `eval_rows: 24`). Returns (train, held_out, rows left out for sharing a held-out
+    prompt)."""
+    ordered = shuffled(rows, seed)
+    held_prompts: set[str] = set()
+    if isinstance(eval_rows, dict):
+        held_out = []
+        for source, count in eval_rows.items():
+            own = [r for r in rows if r["source"] == source]
+            held_out += held_out_rows(shuffled(own, seed), count, held_prompts)
+    else:
+        held_out = held_out_rows(ordered, eval_rows, held_prompts)
     chosen = {r["id"] for r in held_out}
     rest = [r for r in ordered if r["id"] not in chosen]
     train = [r for r in rest if opening_prompt(r) not in held_prompts]
@@ -170,8 +192,15 @@ def run(args) -> None:
     data_cfg = config["data"]
     if not data_cfg.get("sources"):
         raise DataError("expand: data.sources is empty; list at least one source")
+    eval_rows = data_cfg["eval_rows"]
+    names = [spec["name"] for spec in data_cfg["sources"]]
+    for name in eval_rows if isinstance(eval_rows, dict) else ():
+        if name not in names:
+            raise DataError(
+                f"expand: data.eval_rows.{name}: no source named {name!r}; sources: {names}"
+            )
     rows, sources = collect(data_cfg, expand_user(config["cache_dir"]))
-    train, held_out, overlap = split(rows, config["seed"], data_cfg["eval_rows"], None)
+    train, held_out, overlap = split(rows, config["seed"], eval_rows, None)
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
     if data_cfg["train_rows"] is not None:

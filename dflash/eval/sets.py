@@ -10,7 +10,7 @@ target's own answer (MT-Bench's second turn, as the public DFlash benchmark runs
 
 | format | file | fields used | prompt |
 |---|---|---|---|
-| `held_out` | the `eval.parquet` split written by `expand_dataset` | `id`, `conversations` | the conversation up to and including its first user turn (a leading system turn is kept) |
+| `held_out` | the `eval.parquet` split written by `expand_dataset` | `id`, `conversations` (`source` with `source: NAME`: that data source's rows only) | the conversation up to and including its first user turn (a leading system turn is kept) |
 | `gsm8k` | JSONL | `question` | the question |
 | `math500` | JSONL | `problem` | the problem |
 | `humaneval` | JSONL | `prompt` | "Complete the following Python function:" and the prompt in a python code block |
@@ -168,12 +168,17 @@ JSONL_FORMATS: dict[str, Callable[[dict, str], list[dict]]] = {
 FORMATS = ("held_out", *JSONL_FORMATS)
 
 
-def held_out(path: Path, set_name: str = "held_out") -> Iterator[EvalPrompt]:
-    """The expand stage's held-out split: system turn (if any) plus the first user turn."""
+def held_out(
+    path: Path, set_name: str = "held_out", source: str | None = None
+) -> Iterator[EvalPrompt]:
+    """The expand stage's held-out split: system turn (if any) plus the first user turn; with
+    `source`, only the rows of that data source."""
     frame = pl.read_parquet(path)
-    for key in ("id", "conversations"):
+    for key in ("id", "conversations", *(["source"] if source else [])):
         if key not in frame.columns:
             raise UserError(f"{path}: missing column '{key}' (expected expand's eval.parquet)")
+    if source:
+        frame = frame.filter(pl.col("source") == source)
     for i, row in enumerate(frame.select("id", "conversations").iter_rows(named=True)):
         turns = row["conversations"] or []
         first_user = next((j for j, t in enumerate(turns) if t["role"] == "user"), None)
@@ -216,14 +221,17 @@ def load_eval_set(
             raise UserError(
                 f"{path}: no such file (set {key}.path to a local copy of the {fmt} set)"
             )
+    if spec.get("source") and fmt != "held_out":
+        raise UserError(f"{key}.source: only a held_out set is drawn from one data source")
     if fmt == "held_out":
-        prompts = held_out(path, name)
+        prompts = held_out(path, name, spec.get("source"))
     else:
         prompts = jsonl_prompts(path, fmt, name, label)
     limit = spec.get("max_prompts")
     result = list(islice(prompts, limit) if limit is not None else prompts)
     if not result:
-        raise UserError(f"{label or path}: no prompts in eval set '{name}' ({key})")
+        where = f" from source {spec['source']!r}" if spec.get("source") else ""
+        raise UserError(f"{label or path}: no prompts{where} in eval set '{name}' ({key})")
     return result
 
 

@@ -54,7 +54,12 @@ R = config["results"]
 # Reference inputs fetched or converted once (the target rule's conversion), outside the results
 # of any one run, so that `rm -rf results` converts and downloads nothing again.
 RES = config["resources"]
-SPLITS = ["train", "eval"] if config["data"]["eval_rows"] > 0 else ["train"]
+EVAL_ROWS = config["data"]["eval_rows"]  # a count, or a count per source
+SPLITS = (
+    ["train", "eval"]
+    if (sum(EVAL_ROWS.values()) if isinstance(EVAL_ROWS, dict) else EVAL_ROWS) > 0
+    else ["train"]
+)
 ENV_HASH = environment_hash()
 # Whether GPU rules ask for GPUs: on a SLURM login node there may be no nvidia-smi, yet the jobs
 # run on GPU nodes (the SLURM profile sets gpu_jobs: true).
