@@ -82,7 +82,8 @@ start)
   if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
   mkdir -p "$RES" && ln -sfn "$RES" results
   rm -rf "$SRC" && mkdir -p "$SRC"
-  tar c --exclude=./results --exclude='./.carry*' --exclude=./.whl --exclude=./.venv \
+  # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
+  tar c --exclude=./results --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv \
     --exclude=./.git . | tar x -C "$SRC"
   ln -s "$RES" "$SRC/results"
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
