@@ -183,8 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add_decoding(sub, "eval", "speculative decoding of the drafter and baselines")
     p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
     p.add_argument("--output", type=Path, required=True, help="acceptance.json to write")
+    p.add_argument(
+        "--train", type=Path, help="expand's train split: eval prompts found in it are reported"
+    )
     p.set_defaults(
-        stage="dflash.eval.run:run", reads=("target", "drafter", "held_out", "tokenized")
+        stage="dflash.eval.run:run",
+        reads=("target", "drafter", "held_out", "tokenized", "train"),
     )
 
     p = _add_decoding(sub, "ddtree", "tree drafting (DDTree) from the same drafter, by budget")

@@ -469,6 +469,9 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     # the same fixed steps timed after every method (on a CPU, the live sessions only)
     verify = f"verify_{acc['block_size']}_ms"
     assert acc["clock_probe"]["live"][verify] > 0 and "fixed" not in acc["clock_probe"]
+    # every eval prompt searched for in the training rows (dflash/eval/overlap.py)
+    overlap = acc["train_overlap"]
+    assert sum(s["prompts"] for s in overlap.values()) == acc["n_prompts"]
     metrics = [
         json.loads(x) for x in (flow.results / "train/metrics.jsonl").read_text().splitlines()
     ]
@@ -488,6 +491,7 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert f"{acc['tau_pooled']:.3f} pooled" in summary and "tau_sim" in summary
     assert "| drafter + lookup branch |" in summary
     assert "**Per prompt**" in summary and "of 2 prompts" in summary  # where lookup wins
+    assert "**Eval prompts in the training data:**" in summary
     assert "s after the process started" in summary
     assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
 

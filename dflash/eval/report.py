@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 from dflash.eval.clock import clock_caveats
+from dflash.eval.overlap import overlap_text
 from dflash.eval.vllm_stage import summary_section
 from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
@@ -307,6 +308,9 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
     wins = per_prompt_text(acceptance)
     if wins:
         lines += ["", wins]
+    overlap = overlap_text(acceptance.get("train_overlap"))
+    if overlap:
+        lines += ["", overlap]
     sims = [m for m in metrics if "tau_sim" in m]
     curve = ""
     if sims:

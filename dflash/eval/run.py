@@ -44,6 +44,7 @@ from dflash.errors import UserError
 from dflash.eval.decode import DrafterProposer, Generation
 from dflash.eval.lossless import divergence, judge
 from dflash.eval.metrics import acceptance, text_digest
+from dflash.eval.overlap import found_in_training
 from dflash.eval.predicted import simulated, teacher_forced_tau
 from dflash.eval.setup import LookupProposer, Setup
 from dflash.io import write_json
@@ -156,8 +157,9 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
 def _manifest(args) -> None:
     if args.manifest:
         inputs = {"drafter": args.drafter, "held_out": args.held_out}
-        if getattr(args, "tokenized", None):
-            inputs["tokenized"] = args.tokenized
+        for key in ("tokenized", "train"):
+            if getattr(args, key, None):
+                inputs[key] = getattr(args, key)
         write_manifest(
             args.manifest,
             args.command,
@@ -210,6 +212,7 @@ def run(args) -> None:
         "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
         # the same fixed steps timed once every method has decoded (dflash.eval.probe)
         "clock_probe": setup.probes,
+        "train_overlap": found_in_training(setup.prompts, args.train) if args.train else None,
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)

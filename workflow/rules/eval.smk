@@ -26,6 +26,8 @@ rule eval_acceptance:
     input:
         **eval_inputs(),
         tokenized=f"{R}/data/tokenized/eval.parquet",
+        # eval prompts found in the training rows are reported (dflash/eval/overlap.py)
+        train=f"{R}/data/expanded/train.parquet",
     output:
         acceptance=report(f"{R}/eval/acceptance.json", category="Evaluation"),
         manifest=f"{R}/manifests/eval_acceptance.json",
@@ -45,7 +47,7 @@ rule eval_acceptance:
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash eval --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
-        " --tokenized {input.tokenized} --output {output.acceptance}"
+        " --tokenized {input.tokenized} --train {input.train} --output {output.acceptance}"
         " --manifest {output.manifest} > {log} 2>&1"
 
 

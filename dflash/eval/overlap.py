@@ -1,0 +1,78 @@
+"""Evaluation prompts found in the training data. A drafter trained on an eval prompt (and on
+the target's answer to it) reports a τ it learnt by heart; `expand` keeps the held-out rows'
+opening prompts out of training, and this checks every eval set, a user's own included.
+
+A prompt (each user turn it asks: MT-Bench's second turn too) counts as found when its text,
+whitespace-collapsed, equals a training user turn, or when its middle PROBE_CHARS characters
+occur inside one. The middle finds a problem that an eval format wraps in words of its own
+(HumanEval's "Complete the following Python function:") and a reposted prompt with another
+opening; a shared template's opening (CodeI/O's "Write a Python function `main_solution`...")
+does not make two different problems one. Texts under MIN_CHARS ("continue", "go on") recur in
+any chat data and say nothing of the answer: they are not searched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from dflash.eval.sets import EvalPrompt
+
+PROBE_CHARS = 80
+MIN_CHARS = 40
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def probe(text: str) -> str:
+    """The middle PROBE_CHARS characters (the whole text when shorter)."""
+    middle = max(0, (len(text) - PROBE_CHARS) // 2)
+    return text[middle : middle + PROBE_CHARS]
+
+
+def training_turns(path: Path) -> list[str]:
+    """Every user turn of the training rows (expand's train split), whitespace-collapsed."""
+    conversations = pl.read_parquet(path, columns=["conversations"])["conversations"]
+    return [
+        normalized(t["content"]) for c in conversations.to_list() for t in c if t["role"] == "user"
+    ]
+
+
+def found_in_training(prompts: list[EvalPrompt], train: Path) -> dict:
+    """Per eval set: its prompts and the ids of those found in the training rows."""
+    turns = training_turns(train)
+    whole = set(turns)
+    text = "\n".join(turns)
+    by_set: dict[str, dict] = {}
+    for prompt in prompts:
+        asked = [normalized(prompt.messages[-1]["content"]), *map(normalized, prompt.followups)]
+        found = any(len(q) >= MIN_CHARS and (q in whole or probe(q) in text) for q in asked)
+        entry = by_set.setdefault(prompt.set_name, {"prompts": 0, "found": []})
+        entry["prompts"] += 1
+        if found:
+            entry["found"].append(prompt.id)
+    return by_set
+
+
+def overlap_text(by_set: dict | None) -> str | None:
+    """The summary's sentence: none found, or each set with its prompts found."""
+    if not by_set:
+        return None
+    total = sum(s["prompts"] for s in by_set.values())
+    hit = {name: s for name, s in by_set.items() if s["found"]}
+    if not hit:
+        return (
+            f"**Eval prompts in the training data:** none of the {total} prompts (the middle "
+            f"{PROBE_CHARS} characters of each turn searched in every training user turn)."
+        )
+    return (
+        "**Eval prompts in the training data:** "
+        + "; ".join(
+            f"{name}: {len(s['found'])} of {s['prompts']} ({', '.join(s['found'][:5])}"
+            f"{', ...' if len(s['found']) > 5 else ''})"
+            for name, s in hit.items()
+        )
+        + " found in the training rows: not held out, their τ may be learnt by heart."
+    )
