@@ -76,16 +76,23 @@ start)
   bash "$0" cache
   # The run reads its own copy of the tree: the device tool copies the working tree afresh at
   # every call, and Snakemake's parse (or a job) starting during that copy found files missing
-  # (2026-12-04: FileNotFoundError dflash/__init__.py). results/ lives in /tmp/dflash-results,
-  # linked from both trees, so `wait` and `unpack` read it where they always did.
-  SRC=/tmp/dflash-src RES=/tmp/dflash-results
+  # (2026-12-04: FileNotFoundError dflash/__init__.py). What a run keeps (results/, Snakemake's
+  # metadata, the converted target in resources/) lives in /tmp beside the copy, linked into
+  # it, so a restarted run resumes; results/ is also linked from the tree, for `wait`.
+  if pgrep -f "snakemake --cores" > /dev/null; then
+    echo "a run is going (pgrep -f 'snakemake --cores'): wait for it, or kill it first" >&2
+    exit 1
+  fi
+  SRC=/tmp/dflash-src RES=/tmp/dflash-results STATE=/tmp/dflash-state
   if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
-  mkdir -p "$RES" && ln -sfn "$RES" results
+  mkdir -p "$RES" "$STATE/.snakemake" "$STATE/resources" && ln -sfn "$RES" results
   rm -rf "$SRC" && mkdir -p "$SRC"
   # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
-  tar c --exclude=./results --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv \
-    --exclude=./.git . | tar x -C "$SRC"
+  tar cf - --exclude=./results --exclude=./resources --exclude=./.snakemake \
+    --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv --exclude=./.git . |
+    tar xf - -C "$SRC"
   ln -s "$RES" "$SRC/results"
+  ln -s "$STATE/.snakemake" "$SRC/.snakemake" && ln -s "$STATE/resources" "$SRC/resources"
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
     ${PRIORITIZE:+--prioritize "$PRIORITIZE"} --configfile "${@:2}")

@@ -45,5 +45,6 @@ run train "$R/train/summary.json" $DFLASH train --config "$CFG" --target "$T" \
   --held-out "$R/data/tokenized/eval.parquet"
 EVAL=(--config "$CFG" --target "$T" --drafter "$R/drafter" --held-out "$R/data/expanded/eval.parquet")
 run eval "$R/eval/acceptance.json" $DFLASH eval "${EVAL[@]}" \
-  --tokenized "$R/data/tokenized/eval.parquet" --output "$R/eval/acceptance.json"
+  --tokenized "$R/data/tokenized/eval.parquet" --train "$R/data/expanded/train.parquet" \
+  --output "$R/eval/acceptance.json"
 run ddtree "$R/eval/ddtree.json" $DFLASH ddtree "${EVAL[@]}" --output "$R/eval/ddtree.json"

@@ -97,6 +97,26 @@ def check_paths(config: dict, source: str = "config") -> dict:
     return config
 
 
+def check_sources(config: dict, source: str = "config") -> dict:
+    """Raise ConfigError where a held-out count or a held_out eval set names a data source the
+    config does not list, or one of which no row is held out: found by `expand`, or by the
+    evaluation after training, it would cost the stages before them."""
+    data = config.get("data") or {}
+    names = [s.get("name") for s in data.get("sources") or []]
+    eval_rows = data.get("eval_rows")
+    per_source = eval_rows if isinstance(eval_rows, dict) else {}
+    wrong = [f"data.eval_rows.{n}: no source named {n!r}" for n in per_source if n not in names]
+    for i, spec in enumerate((config.get("eval") or {}).get("sets") or []):
+        name = spec.get("source")
+        if name is not None and name not in names:
+            wrong.append(f"eval.sets[{i}].source: no source named {name!r}")
+        elif name is not None and per_source and not per_source.get(name):
+            wrong.append(f"eval.sets[{i}].source: data.eval_rows holds out no row of {name!r}")
+    if wrong:
+        raise ConfigError(f"{source}: {'; '.join(wrong)} (data.sources: {names})")
+    return config
+
+
 def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:

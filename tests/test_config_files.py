@@ -90,3 +90,23 @@ def test_drafter_init_refuses_what_is_no_name_and_no_path(init):
 
     with pytest.raises(ConfigError, match=r"drafter\.init: "):
         validate({"drafter": {"init": init}})
+
+
+def test_a_held_out_source_not_listed_or_holding_out_nothing_is_refused_naming_the_key():
+    from dflash.config import check_sources
+
+    sources = [{"name": "sharegpt"}, {"name": "codeio"}]
+    config = {
+        "data": {"sources": sources, "eval_rows": {"sharegpt": 24, "codeio": 0, "nope": 1}},
+        "eval": {"sets": [{"format": "held_out", "source": "codeio"}, {"source": "typo"}]},
+    }
+    with pytest.raises(ConfigError) as e:
+        check_sources(config, "c.yaml")
+    assert str(e.value) == (
+        "c.yaml: data.eval_rows.nope: no source named 'nope'; eval.sets[0].source: "
+        "data.eval_rows holds out no row of 'codeio'; eval.sets[1].source: no source named "
+        "'typo' (data.sources: ['sharegpt', 'codeio'])"
+    )
+    config["data"]["eval_rows"] = {"sharegpt": 24, "codeio": 16}
+    config["eval"]["sets"].pop()
+    assert check_sources(config) is config

@@ -118,3 +118,22 @@ def test_held_out_rows_for_a_source_not_listed_name_the_key(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "data.eval_rows.sharegpt: no source named 'sharegpt'" in done.stderr
     assert not out["train"].exists() and not out["report"].exists()
+
+
+def test_held_out_counts_per_source_follow_the_sources_order_and_say_what_each_gave(tmp_path):
+    """Keys in any order (the workflow passes them sorted): sources are drawn in data.sources
+    order; a source short of rows holds out what it has, and the report and log say so."""
+    write_jsonl(tmp_path / "b.jsonl", [{"q": f"Question {i}?"} for i in range(8)])
+    write_jsonl(tmp_path / "a.jsonl", [{"q": "Only one?"}])
+    sources = [
+        {"name": "b", "path": "b.jsonl", "template": {"user": "{q}"}},
+        {"name": "a", "path": "a.jsonl", "template": {"user": "{q}"}},
+    ]
+    config = {"data": {"sources": sources, "eval_rows": {"a": 3, "b": 2}}}
+    done, out = expand(tmp_path, config)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out["report"].read_text())
+    assert report["eval_rows_by_source"] == {"a": 1, "b": 2} and report["train_rows"] == 6
+    assert "data.eval_rows.a asks 3 held-out rows, source 'a' gave 1" in done.stderr
+    held = pl.read_parquet(out["eval"])["source"].to_list()
+    assert held == ["b", "b", "a"]  # data.sources order, not the mapping's

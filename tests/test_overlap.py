@@ -39,7 +39,7 @@ def test_a_wrapped_problem_and_a_repeated_second_turn_are_found_a_shared_opening
         EvalPrompt("chat", "short", user("continue")),  # too short to say anything
         EvalPrompt(
             "chat",
-            "turn2",
+            "81",
             user("Describe a harbour."),
             ("Now answer in the voice of a pirate, please.",),
         ),
@@ -48,10 +48,11 @@ def test_a_wrapped_problem_and_a_repeated_second_turn_are_found_a_shared_opening
     found = found_in_training(prompts, train)
     assert found == {
         "code": {"prompts": 2, "found": ["wrapped"]},
-        "chat": {"prompts": 3, "found": ["turn2"]},
+        # each turn counted as the evaluation counts it: the second is 81#turn2
+        "chat": {"prompts": 4, "found": ["81#turn2"]},
     }
     text = overlap_text(found)
     assert text.startswith("**Eval prompts in the training data:** code: 1 of 2 (wrapped); ")
-    assert "chat: 1 of 3 (turn2) found in the training rows" in text
+    assert "chat: 1 of 4 (81#turn2) found in the training rows" in text
     clean = {"code": {"prompts": 2, "found": []}}
     assert "none of the 2 prompts" in overlap_text(clean) and overlap_text(None) is None

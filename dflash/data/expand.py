@@ -156,8 +156,8 @@ def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | 
     the held-out answer in the training data word for word (ShareGPT holds many reposted
     prompts: 4 of 24 held-out rows had one), and the drafter would be judged on text it learnt by
     heart. `eval_rows` per source ({sharegpt: 24, codeio: 16}) draws each source's rows from its
-    own shuffle, so adding a source leaves another's held-out rows as they were (with one source
-    it equals `eval_rows: 24`). Returns (train, held_out, rows left out for sharing a held-out
+    own shuffle, in the mapping's order, so adding a source leaves the held-out rows of those
+    before it as they were (with one source it equals `eval_rows: 24`). Returns (train, held_out, rows left out for sharing a held-out
     prompt)."""
     ordered = shuffled(rows, seed)
     held_prompts: set[str] = set()
@@ -199,8 +199,21 @@ def run(args) -> None:
             raise DataError(
                 f"expand: data.eval_rows.{name}: no source named {name!r}; sources: {names}"
             )
+    if isinstance(eval_rows, dict):  # in data.sources order, whatever order the keys came in
+        eval_rows = {name: eval_rows[name] for name in names if name in eval_rows}
     rows, sources = collect(data_cfg, expand_user(config["cache_dir"]))
     train, held_out, overlap = split(rows, config["seed"], eval_rows, None)
+    held_by_source = Counter(r["source"] for r in held_out)
+    for name, count in eval_rows.items() if isinstance(eval_rows, dict) else ():
+        if held_by_source[name] < count:
+            log.warning(
+                "expand: data.eval_rows.%s asks %d held-out rows, source %r gave %d (rows of "
+                "distinct opening prompts)",
+                name,
+                count,
+                name,
+                held_by_source[name],
+            )
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
     if data_cfg["train_rows"] is not None:
@@ -219,6 +232,7 @@ def run(args) -> None:
         "repaired_total": dict(sorted(repaired.items())),
         "train_rows": len(train),
         "eval_rows": len(held_out),
+        "eval_rows_by_source": dict(sorted(held_by_source.items())),
         # rows per domain: kept (unique), in training, held out, left out by data.domain_rows
         "domains": {
             "rows": domains.counts(rows),

@@ -41,18 +41,22 @@ def training_turns(path: Path) -> list[str]:
 
 
 def found_in_training(prompts: list[EvalPrompt], train: Path) -> dict:
-    """Per eval set: its prompts and the ids of those found in the training rows."""
+    """Per eval set: its prompts, each turn counted as the evaluation counts it (MT-Bench's
+    second turn is `81#turn2`), and the ids of those found in the training rows."""
     turns = training_turns(train)
     whole = set(turns)
     text = "\n".join(turns)
     by_set: dict[str, dict] = {}
     for prompt in prompts:
-        asked = [normalized(prompt.messages[-1]["content"]), *map(normalized, prompt.followups)]
-        found = any(len(q) >= MIN_CHARS and (q in whole or probe(q) in text) for q in asked)
         entry = by_set.setdefault(prompt.set_name, {"prompts": 0, "found": []})
-        entry["prompts"] += 1
-        if found:
-            entry["found"].append(prompt.id)
+        user_turns = sum(m["role"] == "user" for m in prompt.messages)
+        asked = [prompt.messages[-1]["content"], *prompt.followups]
+        for turn, question in enumerate(map(normalized, asked), start=user_turns):
+            entry["prompts"] += 1
+            if len(question) >= MIN_CHARS and (question in whole or probe(question) in text):
+                entry["found"].append(
+                    prompt.id if turn == user_turns else f"{prompt.id}#turn{turn}"
+                )
     return by_set
 
 

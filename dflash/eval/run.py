@@ -174,6 +174,8 @@ def run(args) -> None:
     """results/eval/acceptance.json: the trained drafter, its baselines, tau_sim."""
     setup = Setup(args)
     config = setup.config
+    # before the decoding: a failure here costs seconds, not the evaluation
+    overlap = found_in_training(setup.prompts, args.train) if args.train else None
     methods = {}
     if "lookup" in config["eval"]["baselines"]:
         methods["lookup"] = setup.chain(LookupProposer(setup.block_size))
@@ -212,7 +214,7 @@ def run(args) -> None:
         "per_prompt": per_prompt(setup.prompts, gens, setup.stop),
         # the same fixed steps timed once every method has decoded (dflash.eval.probe)
         "clock_probe": setup.probes,
-        "train_overlap": found_in_training(setup.prompts, args.train) if args.train else None,
+        "train_overlap": overlap,
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)

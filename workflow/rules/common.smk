@@ -13,7 +13,12 @@ from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 from snakemake.logging import logger
 
-from dflash.config import check_paths, expand_user, validate as dflash_validate
+from dflash.config import (
+    check_paths,
+    check_sources,
+    expand_user,
+    validate as dflash_validate,
+)
 from dflash.custody import damaged, pending, quarantine
 from dflash.custody import rel as custody_rel
 from dflash.errors import UserError
@@ -29,6 +34,7 @@ from dflash.model.start import init_identity, init_path, read_config
 # traceback), before any job: a path that does not exist, a key the schema refuses.
 try:
     check_paths(dflash_validate(config, "workflow config"), "the workflow config")
+    check_sources(config, "the workflow config")
 except UserError as e:
     raise WorkflowError(str(e)) from None
 
