@@ -164,6 +164,29 @@ def test_held_out_rows_per_source_stay_when_a_source_is_added():
     assert split(rows_a + rows_b, seed=1, eval_rows=6, train_rows=None)[1][:4] != alone[1]
 
 
+def test_a_held_out_prompt_reposted_with_another_opening_is_kept_out_of_training():
+    """A repost (another greeting before it, other line breaks) or a later turn holding a
+    held-out prompt is left out of training; a short one ("continue") matches nothing."""
+    long = "Explain how a bloom filter answers membership queries, with its false positive rate."
+    rows = [_row("a0", long), _row("a1", "continue")]
+    rows += [_row(f"b{i}", f"question {i}") for i in range(6)]
+    rows += [
+        _row("r1", "Hi! " + long.replace(", ", ",\n")),  # reposted with another opening
+        _row("r2", "continue, please"),
+    ]
+    rows[-1]["conversations"] += [{"role": "user", "content": long}]  # asked as a later turn
+    held = [r for r in rows if r["id"] in ("a0", "a1")]
+    rest = [r for r in rows if r not in held]
+    for r in rows:
+        r["source"] = "held" if r in held else "rest"
+    train, held_out, overlap = split(rows, seed=0, eval_rows={"held": 2}, train_rows=None)
+    assert {r["id"] for r in held_out} == {"a0", "a1"}
+    assert {r["id"] for r in train} == {r["id"] for r in rest} - {"r1", "r2"} and overlap == 2
+    rows[-1]["conversations"] = rows[-1]["conversations"][:2]
+    train, _, overlap = split(rows, seed=0, eval_rows={"held": 2}, train_rows=None)
+    assert "r2" in {r["id"] for r in train} and overlap == 1  # "continue" alone excludes nothing
+
+
 def _row(row_id: str, question: str, answer: str = "a", system: str | None = None) -> dict:
     turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     if system is not None:

@@ -17,6 +17,7 @@ from dflash.config import expand_user
 from dflash.data import domains
 from dflash.data.normalize import BadRow, clean, conversation_id, from_template, to_turns
 from dflash.data.sources import DataError, SourceInfo, read_source
+from dflash.data.textmatch import probe, searchable, user_turns
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 
@@ -155,10 +156,12 @@ def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | 
     distinct opening prompts, none of which a training row opens with. A shared prompt would put
     the held-out answer in the training data word for word (ShareGPT holds many reposted
     prompts: 4 of 24 held-out rows had one), and the drafter would be judged on text it learnt by
-    heart. `eval_rows` per source ({sharegpt: 24, codeio: 16}) draws each source's rows from its
-    own shuffle, in the mapping's order, so adding a source leaves the held-out rows of those
-    before it as they were (with one source it equals `eval_rows: 24`). Returns (train, held_out, rows left out for sharing a held-out
-    prompt)."""
+    heart; a training row holding a held-out prompt's middle 80 characters in any user turn (a
+    repost with another opening: dflash/data/textmatch.py) is left out too. `eval_rows` per
+    source ({sharegpt: 24, codeio: 16}) draws each source's rows from its own shuffle, in the
+    mapping's order, so adding a source leaves the held-out rows of those before it as they were
+    (with one source it equals `eval_rows: 24`). Returns (train, held_out, rows left out for
+    sharing a held-out prompt)."""
     ordered = shuffled(rows, seed)
     held_prompts: set[str] = set()
     if isinstance(eval_rows, dict):
@@ -170,7 +173,16 @@ def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | 
         held_out = held_out_rows(ordered, eval_rows, held_prompts)
     chosen = {r["id"] for r in held_out}
     rest = [r for r in ordered if r["id"] not in chosen]
-    train = [r for r in rest if opening_prompt(r) not in held_prompts]
+    # a held-out prompt reposted inside a training row, with another opening, counts too
+    probes = {
+        probe(t) for r in held_out for t in user_turns(r["conversations"])[:1] if searchable(t)
+    }
+
+    def reposts_held_out(row: dict) -> bool:
+        text = "\n".join(user_turns(row["conversations"]))
+        return any(p in text for p in probes)
+
+    train = [r for r in rest if opening_prompt(r) not in held_prompts and not reposts_held_out(r)]
     overlap = len(rest) - len(train)
     if train_rows is not None:
         train = train[:train_rows]

@@ -1,14 +1,8 @@
 """Evaluation prompts found in the training data. A drafter trained on an eval prompt (and on
 the target's answer to it) reports a τ it learnt by heart; `expand` keeps the held-out rows'
-opening prompts out of training, and this checks every eval set, a user's own included.
-
-A prompt (each user turn it asks: MT-Bench's second turn too) counts as found when its text,
-whitespace-collapsed, equals a training user turn, or when its middle PROBE_CHARS characters
-occur inside one. The middle finds a problem that an eval format wraps in words of its own
-(HumanEval's "Complete the following Python function:") and a reposted prompt with another
-opening; a shared template's opening (CodeI/O's "Write a Python function `main_solution`...")
-does not make two different problems one. Texts under MIN_CHARS ("continue", "go on") recur in
-any chat data and say nothing of the answer: they are not searched."""
+prompts out of training, and this checks every eval set, a user's own included, with the same
+rule (dflash/data/textmatch.py): each user turn a prompt asks (MT-Bench's second turn too) is
+found when it equals a training user turn or its middle 80 characters occur inside one."""
 
 from __future__ import annotations
 
@@ -16,28 +10,14 @@ from pathlib import Path
 
 import polars as pl
 
+from dflash.data.textmatch import PROBE_CHARS, normalized, probe, searchable, user_turns
 from dflash.eval.sets import EvalPrompt
-
-PROBE_CHARS = 80
-MIN_CHARS = 40
-
-
-def normalized(text: str) -> str:
-    return " ".join(text.split())
-
-
-def probe(text: str) -> str:
-    """The middle PROBE_CHARS characters (the whole text when shorter)."""
-    middle = max(0, (len(text) - PROBE_CHARS) // 2)
-    return text[middle : middle + PROBE_CHARS]
 
 
 def training_turns(path: Path) -> list[str]:
     """Every user turn of the training rows (expand's train split), whitespace-collapsed."""
     conversations = pl.read_parquet(path, columns=["conversations"])["conversations"]
-    return [
-        normalized(t["content"]) for c in conversations.to_list() for t in c if t["role"] == "user"
-    ]
+    return [t for c in conversations.to_list() for t in user_turns(c)]
 
 
 def found_in_training(prompts: list[EvalPrompt], train: Path) -> dict:
@@ -49,14 +29,12 @@ def found_in_training(prompts: list[EvalPrompt], train: Path) -> dict:
     by_set: dict[str, dict] = {}
     for prompt in prompts:
         entry = by_set.setdefault(prompt.set_name, {"prompts": 0, "found": []})
-        user_turns = sum(m["role"] == "user" for m in prompt.messages)
+        first = sum(m["role"] == "user" for m in prompt.messages)  # the turn the prompt asks
         asked = [prompt.messages[-1]["content"], *prompt.followups]
-        for turn, question in enumerate(map(normalized, asked), start=user_turns):
+        for turn, question in enumerate(map(normalized, asked), start=first):
             entry["prompts"] += 1
-            if len(question) >= MIN_CHARS and (question in whole or probe(question) in text):
-                entry["found"].append(
-                    prompt.id if turn == user_turns else f"{prompt.id}#turn{turn}"
-                )
+            if searchable(question) and (question in whole or probe(question) in text):
+                entry["found"].append(prompt.id if turn == first else f"{prompt.id}#turn{turn}")
     return by_set
 
 
