@@ -13,11 +13,11 @@ from pathlib import Path
 
 import polars as pl
 
-from dflash.config import expand_user
+from dflash.config import check_sources, expand_user
 from dflash.data import domains
 from dflash.data.normalize import BadRow, clean, conversation_id, from_template, to_turns
 from dflash.data.sources import DataError, SourceInfo, read_source
-from dflash.data.textmatch import probe, searchable, user_turns
+from dflash.data.textmatch import normalized, probe, searchable, user_turns
 from dflash.io import atomic_path, write_json
 from dflash.manifest import write_manifest
 
@@ -128,7 +128,7 @@ def opening_prompt(row: dict) -> str:
     turns = row["conversations"]
     system = [t["content"] for t in turns[:1] if t["role"] == "system"]
     first_user = [t["content"] for t in turns if t["role"] == "user"][:1]
-    return " ".join(" ".join(system + first_user).split())
+    return normalized(" ".join(system + first_user))
 
 
 def shuffled(rows: list[dict], seed: int) -> list[dict]:
@@ -204,13 +204,9 @@ def run(args) -> None:
     data_cfg = config["data"]
     if not data_cfg.get("sources"):
         raise DataError("expand: data.sources is empty; list at least one source")
+    check_sources(config, "expand")  # also run when the workflow is parsed
     eval_rows = data_cfg["eval_rows"]
     names = [spec["name"] for spec in data_cfg["sources"]]
-    for name in eval_rows if isinstance(eval_rows, dict) else ():
-        if name not in names:
-            raise DataError(
-                f"expand: data.eval_rows.{name}: no source named {name!r}; sources: {names}"
-            )
     if isinstance(eval_rows, dict):  # in data.sources order, whatever order the keys came in
         eval_rows = {name: eval_rows[name] for name in names if name in eval_rows}
     rows, sources = collect(data_cfg, expand_user(config["cache_dir"]))
