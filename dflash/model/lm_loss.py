@@ -11,6 +11,8 @@ chunks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -90,18 +92,20 @@ def _soft_ce_chunk(logits, target_logits, labels, weights, distill: float, want_
     return total, correct, g.to(logits.dtype)
 
 
-# Compiled: ~3 passes over a chunk's bf16 logits instead of ~10 eager passes over fp32 ones
-# (bench/gpu.py measures both). Compiled lazily, on first use.
-_ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
-_soft_ce_chunk_compiled = torch.compile(_soft_ce_chunk, dynamic=False)
+@functools.cache
+def _compiled(fn):
+    """Compiled: ~3 passes over a chunk's bf16 logits instead of ~10 eager passes over fp32 ones
+    (bench/gpu.py measures both). Wrapped on first use: `torch.compile` imports inductor (1.2 s
+    of every process that reads this module, compiling or not)."""
+    return torch.compile(fn, dynamic=False)
 
 
 def _fused_ce(hidden, head_weight, labels, weights, chunk_tokens, want_grad, compiled, soft=None):
     """(sum of weighted CE, correctness, d total / d hidden or None), one chunk of logits at a
     time. Matmuls run in the head's dtype. `soft`: (target hidden (T, H), distill) for soft
     labels, the target's logits computed chunk by chunk from its normed output."""
-    ce_chunk = _ce_chunk_compiled if compiled else _ce_chunk_eager
-    soft_chunk = _soft_ce_chunk_compiled if compiled else _soft_ce_chunk
+    ce_chunk = _compiled(_ce_chunk) if compiled else _ce_chunk_eager
+    soft_chunk = _compiled(_soft_ce_chunk) if compiled else _soft_ce_chunk
     n = hidden.shape[0]
     grad_hidden = torch.empty_like(hidden) if want_grad else None
     total = hidden.new_zeros((), dtype=torch.float32)
