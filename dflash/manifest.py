@@ -9,6 +9,7 @@ produce byte-identical manifests.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import os
 import platform
@@ -34,6 +35,20 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
+@functools.cache
+def _imports(source: str, filename: str) -> tuple[str, ...]:
+    """Module names a source imports (function-level imports included). Cached by content:
+    the workflow hashes a dozen stages' code at every Snakemake start, mostly the same files."""
+    names = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from dflash.x import y`: y may be a submodule or a name in x
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return tuple(names)
+
+
 def imported_files(*modules: str) -> list[Path]:
     """The named modules' source files plus every `dflash` module they import, transitively
     (function-level imports included), plus the package `__init__` files on their paths."""
@@ -47,12 +62,7 @@ def imported_files(*modules: str) -> list[Path]:
             if f is None or f in seen:
                 continue
             seen.add(f)
-            for node in ast.walk(ast.parse(f.read_text(), str(f))):
-                if isinstance(node, ast.Import):
-                    todo += [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    # `from dflash.x import y`: y may be a submodule or a name in x
-                    todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            todo += _imports(f.read_text(), str(f))
     return sorted(seen)
 
 
