@@ -13,6 +13,9 @@
 #                                         # under setsid (a killed run is unlocked and resumed),
 #                                         # from a copy of the tree in /tmp/dflash-src
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
+#   bash bench/h200.sh stages CONFIG STAGE...  # bench/stages.sh in the background, as `start` runs
+#                                         # Snakemake ($DRAFTER: a trained drafter to evaluate,
+#                                         # $SPLITS: the splits to regenerate)
 #   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
 #                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
 #                                         # finds vLLM from its next job on, its other packages kept
@@ -26,7 +29,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD:/tmp/vllm-site PYTHONUNBUFFERED=1
 RUN=/tmp/dflash-run
+RUNNING="snakemake --cores|bench/stages.sh"  # what `wait` waits for
 mkdir -p "$RUN" /tmp/stage
+
+# The run reads its own copy of the tree: the device tool copies the working tree afresh at every
+# call, and Snakemake's parse (or a job) starting during that copy found files missing
+# (2026-12-04: FileNotFoundError dflash/__init__.py). What a run keeps (results/, Snakemake's
+# metadata, the converted target in resources/) lives in /tmp beside the copy, linked into it, so
+# a restarted run resumes; results/ is also linked from the tree, for `wait`.
+SRC=/tmp/dflash-src
+copy_tree() {
+  local RES=/tmp/dflash-results STATE=/tmp/dflash-state
+  if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
+  mkdir -p "$RES" "$STATE/.snakemake" "$STATE/resources" && ln -sfn "$RES" results
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
+  tar cf - --exclude=./results --exclude=./resources --exclude=./.snakemake \
+    --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv --exclude=./.git . |
+    tar xf - -C "$SRC"
+  ln -s "$RES" "$SRC/results"
+  ln -s "$STATE/.snakemake" "$SRC/.snakemake" && ln -s "$STATE/resources" "$SRC/resources"
+}
 
 case $1 in
 install)
@@ -74,25 +97,11 @@ start)
     rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
   fi
   bash "$0" cache
-  # The run reads its own copy of the tree: the device tool copies the working tree afresh at
-  # every call, and Snakemake's parse (or a job) starting during that copy found files missing
-  # (2026-12-04: FileNotFoundError dflash/__init__.py). What a run keeps (results/, Snakemake's
-  # metadata, the converted target in resources/) lives in /tmp beside the copy, linked into
-  # it, so a restarted run resumes; results/ is also linked from the tree, for `wait`.
-  if pgrep -f "snakemake --cores" > /dev/null; then
-    echo "a run is going (pgrep -f 'snakemake --cores'): wait for it, or kill it first" >&2
+  if pgrep -f "$RUNNING" > /dev/null; then
+    echo "a run is going (pgrep -f '$RUNNING'): wait for it, or kill it first" >&2
     exit 1
   fi
-  SRC=/tmp/dflash-src RES=/tmp/dflash-results STATE=/tmp/dflash-state
-  if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
-  mkdir -p "$RES" "$STATE/.snakemake" "$STATE/resources" && ln -sfn "$RES" results
-  rm -rf "$SRC" && mkdir -p "$SRC"
-  # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
-  tar cf - --exclude=./results --exclude=./resources --exclude=./.snakemake \
-    --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv --exclude=./.git . |
-    tar xf - -C "$SRC"
-  ln -s "$RES" "$SRC/results"
-  ln -s "$STATE/.snakemake" "$SRC/.snakemake" && ln -s "$STATE/resources" "$SRC/resources"
+  copy_tree
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
     ${PRIORITIZE:+--prioritize "$PRIORITIZE"} --configfile "${@:2}")
@@ -100,6 +109,18 @@ start)
   echo "start $(date +%s)" >> "$RUN/events"
   setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "snakemake started: $RUN/snakemake.log"
+  ;;
+stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's copy, for a drafter
+  # already trained: $DRAFTER (an exported drafter's folder, e.g. under .carryinit) is copied to
+  # results/drafter first, and only $SPLITS (default: train eval) are regenerated and tokenized
+  if pgrep -f "$RUNNING" > /dev/null; then echo "a run is going: wait for it" >&2; exit 1; fi
+  copy_tree
+  if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
+  cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
+  bash "$0" cache
+  echo "start $(date +%s)" >> "$RUN/events"
+  setsid nohup bash bench/stages.sh "$2" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
+  echo "bench/stages.sh started: $RUN/snakemake.log"
   ;;
 vllm)  # the vLLM bundle carried in parts (../shared/tools/vllm-wheels.sh DIR, then `stage` each
   # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
@@ -116,10 +137,11 @@ wait)
   deadline=$((SECONDS + $2))
   while [ $SECONDS -lt "$deadline" ]; do
     sleep 20
-    pgrep -f "snakemake --cores" > /dev/null || break
+    pgrep -f "$RUNNING" > /dev/null || break
     echo "$(date +%T) $(grep -cE '^Finished jobid' "$RUN/snakemake.log") jobs done; $(ls -t results/logs/*.log 2>/dev/null | head -1 | xargs -r tail -c 300 | tr '\r' '\n' | tail -1)"
   done
-  grep -E "^\[|^(local)?rule |^Finished jobid|rror" "$RUN/snakemake.log" | tail -60
+  grep -E "^\[|^(local)?rule |^Finished jobid|rror|^[a-z]+: (start|done|FAILED)" "$RUN/snakemake.log" |
+    tail -60
   if [ -n "${OUT:-}" ]; then  # at most 8 files come back: one archive and the drafter's parts
     files=$(cd results && ls summary.md MANIFEST.json eval/*.json train/metrics.jsonl train/summary.json \
       data/stats/stats.json data/*/report.json data/tokenized/*.report.json compile/warmup.json \
@@ -137,6 +159,6 @@ wait)
       cp results/drafter/config.json "$OUT/drafter-config.json"
     fi
   fi
-  pgrep -f "snakemake --cores" > /dev/null && echo "STILL RUNNING" || echo "SNAKEMAKE ENDED"
+  pgrep -f "$RUNNING" > /dev/null && echo "STILL RUNNING" || echo "SNAKEMAKE ENDED"
   ;;
 esac

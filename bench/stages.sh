@@ -4,12 +4,15 @@
 # resumes (regeneration per batch, training per checkpoint). Single process: the config's
 # topology must be colocated with one drafter. The rules in workflow/rules/ are the reference.
 #   bash bench/stages.sh config/h200.yaml results [stage ...]
-# Stages: target expand regenerate tokenize stats train eval ddtree (default: all of them).
+# Stages: target expand regenerate tokenize stats train eval ddtree vllm (default: all of them
+# but vllm, which needs vLLM installed). $SPLITS: the splits to regenerate and tokenize (default:
+# train eval; `eval` alone for a drafter trained elsewhere, placed in results/drafter).
 set -euo pipefail
 CFG=$1
 R=$2
 shift 2
 STAGES=${*:-target expand regenerate tokenize stats train eval ddtree}
+SPLITS=${SPLITS:-train eval}
 DFLASH="python3 -m dflash"
 mkdir -p "$R/logs"
 
@@ -29,7 +32,7 @@ run target "$R/target/target.json" $DFLASH target --config "$CFG" --out "$T" --i
 run expand "$R/data/expanded/eval.parquet" $DFLASH expand --config "$CFG" \
   --train "$R/data/expanded/train.parquet" --eval "$R/data/expanded/eval.parquet" \
   --report "$R/data/expanded/report.json"
-for split in train eval; do
+for split in $SPLITS; do
   run regenerate "$R/data/regenerated/$split.parquet" $DFLASH regenerate --config "$CFG" \
     --target "$T" --input "$R/data/expanded/$split.parquet" \
     --output "$R/data/regenerated/$split.parquet" --workdir "$R/work/regenerate/$split"
@@ -48,3 +51,5 @@ run eval "$R/eval/acceptance.json" $DFLASH eval "${EVAL[@]}" \
   --tokenized "$R/data/tokenized/eval.parquet" --train "$R/data/expanded/train.parquet" \
   --output "$R/eval/acceptance.json"
 run ddtree "$R/eval/ddtree.json" $DFLASH ddtree "${EVAL[@]}" --output "$R/eval/ddtree.json"
+run vllm "$R/eval/vllm.json" $DFLASH eval-vllm "${EVAL[@]}" --acceptance "$R/eval/acceptance.json" \
+  --output "$R/eval/vllm.json"
