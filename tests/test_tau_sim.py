@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.eval.decode import DrafterProposer, Proposer, generate
-from dflash.eval.predicted import full_features
+from dflash.eval.predicted import full_features, tau_on_texts
 from dflash.eval.sessions import StaticSession
 from dflash.model.drafter import Drafter, DrafterConfig
 from dflash.model.objective import dflash_loss
@@ -118,3 +118,21 @@ def test_max_new_tokens_caps_the_walk_like_decoding(target):
     two = torch.tensor([0] * len(PROMPT) + [1] + [0] * 3 + [1] * (len(reference) - 4))
     first, second = simulate(drafter, embed, head, [(feats, torch.tensor(ids), two)])
     assert first == [] and sum(second) == len(reference) - 5
+
+
+def test_tau_on_texts_gives_real_decodings_tau_on_tokens_handed_in(target):
+    """Another engine's answers (here the target's own greedy tokens, as vLLM's are its
+    target's): our drafter's τ on exactly those tokens is what decoding them gives, per prompt;
+    a prompt answered by nothing has no τ and keeps its place."""
+    session = StaticSession(target, [2])
+    reference = generate(session, Proposer(), PROMPT, NEW, set()).tokens
+    drafter = overfit_drafter(
+        target, PROMPT + reference, [0] * len(PROMPT) + [1] * len(reference), 400
+    )
+    proposer = DrafterProposer(drafter, target.get_input_embeddings(), target.lm_head.weight)
+    other = [1, 5, 9, 13, 2]
+    real = [generate(session, proposer, p, 25, set()) for p in (PROMPT, other)]
+    texts = [(PROMPT, real[0].tokens), (other, real[1].tokens), (PROMPT, [])]
+    taus = tau_on_texts(target, drafter, texts, max_new_tokens=25)
+    assert taus == [tau_macro([real[0].accepted]), tau_macro([real[1].accepted]), None]
+    assert taus[0] > 2.0  # the drafter accepts blocks: the comparison is not trivial

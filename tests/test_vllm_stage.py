@@ -15,7 +15,7 @@ from conftest import Workflow
 from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
 from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters, difference
-from dflash.eval.vllm_stage import compare, same_text, summary_section
+from dflash.eval.vllm_stage import compare, same_text, summary_section, walk_served
 from dflash.record import eval_summary
 
 
@@ -82,6 +82,16 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
     assert summary["speed"]["vllm_speedup"] == {"1": 2.0, "8": 1.5, "32": 0.9}
     assert "vllm" not in eval_summary(acceptance, ddtree)["quality"]
 
+    # our drafter's τ on vLLM's own tokens (the walk): vLLM 10 % above it in the last set alone
+    walked = acceptance["per_prompt"]["methods"]["drafter"]["tau"]
+    record = compare(served, alone, acceptance, stop={2}, walked=walked)
+    assert record["sets"][sets[-1]]["diff_pct_same_tokens"] == pytest.approx(10.0, abs=0.5)
+    for name in sets[:-1]:
+        assert record["sets"][name]["diff_pct_same_tokens"] == pytest.approx(0.0, abs=0.5)
+    assert record["on_vllm_text"]["walked_prompts"] == len(walked)
+    assert record["per_prompt"]["ours_on_vllm_text"] == walked
+    assert "ours on vLLM's tokens" in summary_section(record)
+
     served["prompts"][0]["id"] = "not-a-prompt-of-this-run"
     with pytest.raises(UserError, match="not-a-prompt-of-this-run"):
         compare(served, alone, acceptance, stop={2})
@@ -118,6 +128,31 @@ def test_the_prompts_where_vllm_decoded_our_drafters_text_are_compared_apart():
     }
     del ours["methods"]["drafter"]["text"]  # an acceptance.json from before the digests
     assert same_text(rows, alone, ours, stop) is None
+
+
+def test_our_drafters_tau_on_vllms_answers_is_read_with_the_runs_target_and_drafter(
+    second_workflow, trained_drafter
+):
+    """walk_served loads the run's target and drafter as the evaluation does and gives, on
+    answers handed in (here our own decoding's, fp32, as vLLM's are its target's), the τ our
+    decoding measured on them, prompt by prompt."""
+    from dflash.eval.decode import DrafterProposer, generate
+    from dflash.eval.sessions import target_session
+    from dflash.model.drafter import load_drafter
+    from dflash.model.target import load_target
+
+    target = second_workflow.target / "hf"
+    config = yaml.safe_load((second_workflow.workdir / "tiny.yaml").read_text())
+    config["eval"].update(dtype="float32", device="cpu", max_new_tokens=24)
+    model, drafter = load_target(target), load_drafter(trained_drafter)
+    session = target_session(model, drafter.config.target_layer_ids)
+    proposer = DrafterProposer(drafter, model.get_input_embeddings(), model.lm_head.weight)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]  # token ids: any prompt the target answers
+    gens = [generate(session, proposer, ids, 24, set()) for ids in prompts]
+    rows = [{"prompt_ids": p, "tokens": g.tokens} for p, g in zip(prompts, gens, strict=True)]
+    args = SimpleNamespace(target=target, drafter=trained_drafter)
+    taus = walk_served(args, config, rows)
+    assert taus == [round(sum(g.accepted) / len(g.accepted), 4) for g in gens]
 
 
 def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(

@@ -92,3 +92,26 @@ def simulated(setup, tokenized: Path, reference: list[Generation], real: list) -
         "diverged_rows": len(rows) - len(matching),
         "matching_rows": compare(matching),
     }
+
+
+def tau_on_texts(
+    model, drafter, texts: list[tuple[list[int], list[int]]], max_new_tokens: int
+) -> list[float | None]:
+    """τ per prompt that our drafter would reach decoding exactly `texts` (prompt ids, response
+    tokens as another engine emitted them: the target's own greedy answer there), read off the
+    decoding walk (tau_sim), which on the target's own continuation gives real decoding's rounds
+    one for one. Another engine's acceptance length on those tokens minus this is then only the
+    two engines' arithmetic, not two different texts."""
+    layer_ids = drafter.config.target_layer_ids
+
+    def rows():  # one prompt's features at a time
+        for prompt, response in texts:
+            ids = list(prompt) + list(response)
+            mask = torch.tensor([0] * len(prompt) + [1] * len(response))
+            yield full_features(model, ids, layer_ids), torch.tensor(ids), mask
+
+    embed, head = model.get_input_embeddings(), model.lm_head.weight
+    rounds = simulate(drafter, embed, head, rows(), max_new_tokens=max_new_tokens)
+    # an empty response (a prompt answered by its stop token alone) has no span: no rounds
+    spans = iter(rounds)
+    return [tau_macro([next(spans)]) if response else None for _, response in texts]

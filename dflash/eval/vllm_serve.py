@@ -5,7 +5,7 @@ A process per engine because vLLM does not hand its GPU memory back within a pro
 alone and the target with the drafter each get a fresh one. `REQUEST` (JSON) names the target,
 the drafter (absent: the target alone), the prompts (`EvalPrompt` fields), the stop tokens and
 the sizes; `OUTPUT` gets, per prompt decoded alone (batch 1, later turns after the engine's own
-answer, as the evaluation does), its tokens, wall seconds and the change of vLLM's own
+answer, as the evaluation does), its prompt's and its answer's tokens, wall seconds and the change of vLLM's own
 speculative-decoding counters over it; then tokens/s with the same prompts in waves of each
 concurrency.
 """
@@ -96,7 +96,7 @@ def serve(request: dict) -> dict:
             seconds = time.perf_counter() - t0
             spec = difference(counters(llm.get_metrics()), before)
             completion = out.outputs[0]
-            rows.append({"id": prompt.id, "set": prompt.set_name, "prompt_tokens": len(ids),
+            rows.append({"id": prompt.id, "set": prompt.set_name, "prompt_ids": ids,
                          "tokens": list(completion.token_ids), "seconds": seconds, **spec})  # fmt: skip
             encoded.append(ids)
             answers.append(completion.text)

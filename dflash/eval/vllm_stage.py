@@ -8,6 +8,9 @@ does), so vLLM's speculative-decoding counters, read before and after it, give t
 acceptance length: 1 + accepted draft tokens / drafting rounds, the τ our evaluation reports
 (tokens committed per verify round). Then tokens/s in waves of each `eval.vllm.concurrency`.
 Compared per set, macro and pooled, with `eval/acceptance.json`'s drafter on the same prompts.
+The two engines' greedy texts part at near ties (bf16), so each τ is also judged on other tokens:
+our drafter's τ on exactly vLLM's answers (the decoding walk of `dflash.model.tau_sim`) is set
+beside vLLM's, leaving only the engines' arithmetic between them.
 """
 
 from __future__ import annotations
@@ -71,8 +74,16 @@ def same_text(rows, alone, ours: dict, stop: set[int]) -> dict | None:
     }
 
 
-def compare(served: dict, target_alone: dict, acceptance: dict, stop: set[int]) -> dict:
-    """vLLM's figures beside the evaluation's (`acceptance.json`) on the same prompts."""
+def compare(
+    served: dict,
+    target_alone: dict,
+    acceptance: dict,
+    stop: set[int],
+    walked: list[float | None] | None = None,
+) -> dict:
+    """vLLM's figures beside the evaluation's (`acceptance.json`) on the same prompts, and where
+    `walked` is given (our drafter's τ on vLLM's own answers, `walk_served`), beside ours on
+    exactly vLLM's tokens."""
     rows = served["prompts"]
     ours = acceptance["per_prompt"]
     ours_tau = dict(zip(ours["ids"], ours["methods"]["drafter"]["tau"], strict=True))
@@ -96,6 +107,8 @@ def compare(served: dict, target_alone: dict, acceptance: dict, stop: set[int]) 
         }
         entry["diff_pct_macro"] = _pct(entry["ours_macro"], entry["vllm_macro"])
         entry["diff_pct_pooled"] = _pct(entry["ours_pooled"], entry["vllm_pooled"])
+        if walked is not None:
+            entry.update(_on_same_tokens([per_prompt[i] for i in idx], [walked[i] for i in idx]))
         sets[name] = entry
     alone = {r["id"]: r["tokens"] for r in target_alone["prompts"]}
     drafts = sum(r["drafts"] for r in rows)
@@ -117,6 +130,7 @@ def compare(served: dict, target_alone: dict, acceptance: dict, stop: set[int]) 
             "diff_pct_pooled": _pct(acceptance["tau_pooled"], acceptance_length(rows)),
         },
         "sets": sets,
+        "on_vllm_text": _on_same_tokens(per_prompt, walked) if walked is not None else None,
         "same_text": same_text(rows, target_alone["prompts"], ours, stop),
         "per_position": [round(n / drafts, 4) for n in positions] if drafts else [],
         "identical_to_target_alone": round(
@@ -129,9 +143,38 @@ def compare(served: dict, target_alone: dict, acceptance: dict, stop: set[int]) 
             "sets": [r["set"] for r in rows],
             "vllm": per_prompt,
             "ours": [ours_tau[r["id"]] for r in rows],
+            "ours_on_vllm_text": walked,
             "tokens": [len(r["tokens"]) for r in rows],
+            "text": [text_digest(r["tokens"], stop) for r in rows],
         },
     }
+
+
+def _on_same_tokens(vllm: list, walked: list) -> dict:
+    """vLLM's acceptance length beside our drafter's τ on the very tokens vLLM emitted (prompts
+    with something to draft): what is left between them is the engines' arithmetic alone."""
+    pairs = [(v, w) for v, w in zip(vllm, walked, strict=True) if v is not None and w is not None]
+    v, w = _macro(p[0] for p in pairs), _macro(p[1] for p in pairs)
+    return {"walked_prompts": len(pairs), "vllm_on_its_text": v, "ours_on_vllm_text": w,
+            "diff_pct_same_tokens": _pct(w, v)}  # fmt: skip
+
+
+def walk_served(args, config: dict, rows: list[dict]) -> list[float | None]:
+    """Our drafter's τ on each of vLLM's answers (`predicted.tau_on_texts`), with the target and
+    drafter loaded as the evaluation loads them (its device and dtype), after vLLM's engines
+    have exited and handed the GPU back."""
+    from dflash.eval.predicted import tau_on_texts
+    from dflash.model.drafter import load_drafter
+    from dflash.model.precision import resolve_dtype
+    from dflash.model.step import resolve_device
+    from dflash.model.target import load_target
+
+    device = resolve_device(config["eval"]["device"])
+    dtype = resolve_dtype(config["eval"]["dtype"], device)
+    model = load_target(args.target, dtype=dtype, device=device)
+    drafter = load_drafter(args.drafter, dtype=dtype, device=device).eval()
+    texts = [(r["prompt_ids"], r["tokens"]) for r in rows]
+    return tau_on_texts(model, drafter, texts, config["eval"]["max_new_tokens"])
 
 
 def _speed(rows: list[dict], alone: list[dict]) -> dict:
@@ -191,7 +234,8 @@ def run(args) -> None:
         alone = _serve({**request, "drafter": None}, Path(tmp), "target alone")
         served = _serve(request, Path(tmp), "target with the drafter")
     acceptance = json.loads(Path(args.acceptance).read_text())
-    record = compare(served, alone, acceptance, set(request["eos_ids"]))
+    walked = walk_served(args, config, served["prompts"])
+    record = compare(served, alone, acceptance, set(request["eos_ids"]), walked)
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
     if args.manifest:
@@ -210,6 +254,7 @@ def run(args) -> None:
 def summary_section(record: dict) -> str:
     """The paragraph and table `results/summary.md` gives vLLM's figures."""
     a, speed = record["acceptance_length"], record["tokens_per_s"]
+    walked = record.get("on_vllm_text")  # absent from records before the walk
 
     def pct(x):
         return "–" if x is None else f"{x:+.1f} %"
@@ -229,15 +274,25 @@ def summary_section(record: dict) -> str:
         )
         + ".",
         "",
-        "| eval set | prompts | vLLM macro | ours | diff | vLLM pooled | ours | diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| eval set | prompts | vLLM macro | ours | diff | vLLM pooled | ours | diff |"
+        + (" ours on vLLM's tokens | diff |" if walked else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if walked else ""),
     ]
     for name, s in record["sets"].items():
         lines.append(
             f"| {name} | {s['prompts']} | {s['vllm_macro']} | {s['ours_macro']} | "
             f"{pct(s['diff_pct_macro'])} | {s['vllm_pooled']} | {s['ours_pooled']} | "
             f"{pct(s['diff_pct_pooled'])} |"
+            + (f" {s['ours_on_vllm_text']} | {pct(s['diff_pct_same_tokens'])} |" if walked else "")
         )
+    if walked:
+        lines += [
+            "",
+            f"Our drafter's τ on exactly the tokens vLLM emitted (the decoding walk, "
+            f"{walked['walked_prompts']} prompts): {walked['ours_on_vllm_text']} macro against "
+            f"vLLM's {walked['vllm_on_its_text']} ({pct(walked['diff_pct_same_tokens'])}): the "
+            "engines' arithmetic alone. The columns before compare τ on each engine's own text.",
+        ]
     if same := record.get("same_text"):
         lines += [
             "",
