@@ -38,6 +38,12 @@ mkdir -p "$RUN" /tmp/stage
 # metadata, the converted target in resources/) lives in /tmp beside the copy, linked into it, so
 # a restarted run resumes; results/ is also linked from the tree, for `wait`.
 SRC=/tmp/dflash-src
+refuse_if_running() {
+  if pgrep -f "$RUNNING" > /dev/null; then
+    echo "a run is going (pgrep -f '$RUNNING'): wait for it, or kill it first" >&2
+    exit 1
+  fi
+}
 copy_tree() {
   local RES=/tmp/dflash-results STATE=/tmp/dflash-state
   if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
@@ -97,10 +103,7 @@ start)
     rm /tmp/stage/sqlalchemy-*.whl /tmp/stage/greenlet-*.whl
   fi
   bash "$0" cache
-  if pgrep -f "$RUNNING" > /dev/null; then
-    echo "a run is going (pgrep -f '$RUNNING'): wait for it, or kill it first" >&2
-    exit 1
-  fi
+  refuse_if_running
   copy_tree
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   SMK=(python3 -m snakemake --cores all --scheduler greedy --keep-going ${TARGETS:-all}
@@ -113,7 +116,7 @@ start)
 stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's copy, for a drafter
   # already trained: $DRAFTER (an exported drafter's folder, e.g. under .carryinit) is copied to
   # results/drafter first, and only $SPLITS (default: train eval) are regenerated and tokenized
-  if pgrep -f "$RUNNING" > /dev/null; then echo "a run is going: wait for it" >&2; exit 1; fi
+  refuse_if_running
   copy_tree
   if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site

@@ -73,6 +73,17 @@ def weights_sha256(folder: Path) -> str:
     return sha256_json({f.name: sha256_file(f) for f in files})
 
 
+def load_models(config: dict, target: Path, drafter: Path):
+    """(target, drafter, dtype) on the evaluation's device and dtype (`eval.device`,
+    `eval.dtype`): on `auto`, a GPU of its own where the host has several (the eval rules run side
+    by side)."""
+    auto_gpu = config["eval"]["device"] == "auto" and torch.cuda.is_available()
+    device = claim_gpu() if auto_gpu else resolve_device(config["eval"]["device"])
+    dtype = resolve_dtype(config["eval"]["dtype"], device)
+    model = load_target(target, dtype=dtype, device=device)
+    return model, load_drafter(drafter, dtype=dtype, device=device).eval(), dtype
+
+
 class Setup:
     """What every eval command loads: the target with a KV cache, the drafter, the prompts."""
 
@@ -80,13 +91,9 @@ class Setup:
         from transformers import AutoTokenizer
 
         config = self.config = args.config
-        # a GPU of its own where the host has several (the eval rules run side by side)
-        auto_gpu = config["eval"]["device"] == "auto" and torch.cuda.is_available()
-        device = claim_gpu() if auto_gpu else resolve_device(config["eval"]["device"])
-        self.dtype = resolve_dtype(config["eval"]["dtype"], device)
-        self.model = load_target(args.target, dtype=self.dtype, device=device)
+        self.model, self.drafter, self.dtype = load_models(config, args.target, args.drafter)
+        device = self.model.get_input_embeddings().weight.device
         self.tokenizer = AutoTokenizer.from_pretrained(args.target)
-        self.drafter = load_drafter(args.drafter, dtype=self.dtype, device=device).eval()
         self.session = target_session(self.model, self.drafter.config.target_layer_ids)
         log.info("target session: %s on %s", type(self.session).__name__, device)
         self.embed, self.head = self.model.get_input_embeddings(), self.model.lm_head.weight

@@ -5,9 +5,9 @@ A process per engine because vLLM does not hand its GPU memory back within a pro
 alone and the target with the drafter each get a fresh one. `REQUEST` (JSON) names the target,
 the drafter (absent: the target alone), the prompts (`EvalPrompt` fields), the stop tokens and
 the sizes; `OUTPUT` gets, per prompt decoded alone (batch 1, later turns after the engine's own
-answer, as the evaluation does), its prompt's and its answer's tokens, wall seconds and the change of vLLM's own
-speculative-decoding counters over it; then tokens/s with the same prompts in waves of each
-concurrency.
+answer, as the evaluation does), its prompt's and its answer's tokens, wall seconds and the
+change of vLLM's own speculative-decoding counters over it; then tokens/s with the same prompts
+in waves of each concurrency.
 """
 
 from __future__ import annotations

@@ -161,18 +161,12 @@ def _on_same_tokens(vllm: list, walked: list) -> dict:
 
 def walk_served(args, config: dict, rows: list[dict]) -> list[float | None]:
     """Our drafter's τ on each of vLLM's answers (`predicted.tau_on_texts`), with the target and
-    drafter loaded as the evaluation loads them (its device and dtype), after vLLM's engines
+    drafter loaded as the evaluation loads them (`setup.load_models`), after vLLM's engines
     have exited and handed the GPU back."""
     from dflash.eval.predicted import tau_on_texts
-    from dflash.model.drafter import load_drafter
-    from dflash.model.precision import resolve_dtype
-    from dflash.model.step import resolve_device
-    from dflash.model.target import load_target
+    from dflash.eval.setup import load_models
 
-    device = resolve_device(config["eval"]["device"])
-    dtype = resolve_dtype(config["eval"]["dtype"], device)
-    model = load_target(args.target, dtype=dtype, device=device)
-    drafter = load_drafter(args.drafter, dtype=dtype, device=device).eval()
+    model, drafter, _ = load_models(config, args.target, args.drafter)
     texts = [(r["prompt_ids"], r["tokens"]) for r in rows]
     return tau_on_texts(model, drafter, texts, config["eval"]["max_new_tokens"])
 
