@@ -13,9 +13,10 @@
 #                                         # under setsid (a killed run is unlocked and resumed),
 #                                         # from a copy of the tree in /tmp/dflash-src
 #   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
-#   bash bench/h200.sh stages CONFIG STAGE...  # bench/stages.sh in the background, as `start` runs
-#                                         # Snakemake ($DRAFTER: a trained drafter to evaluate,
-#                                         # $SPLITS: the splits to regenerate)
+#   bash bench/h200.sh stages CONFIG[,CONFIG...] STAGE...  # bench/stages.sh in the background,
+#                                         # as `start` runs Snakemake; several config files are
+#                                         # merged as --configfile merges them ($DRAFTER: a trained
+#                                         # drafter to evaluate, $SPLITS: the splits to regenerate)
 #   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
 #                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
 #                                         # finds vLLM from its next job on, its other packages kept
@@ -121,8 +122,14 @@ stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's cop
   if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   bash "$0" cache
+  # the config files merged as Snakemake merges --configfile (a later one over the earlier ones,
+  # lists replaced whole): the stages read one file
+  python3 -c 'import sys, yaml; from snakemake.utils import update_config
+config = {}
+for path in sys.argv[2].split(","): update_config(config, yaml.safe_load(open(path)))
+yaml.safe_dump(config, open(sys.argv[1], "w"))' "$RUN/config.yaml" "$2"
   echo "start $(date +%s)" >> "$RUN/events"
-  setsid nohup bash bench/stages.sh "$2" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
+  setsid nohup bash bench/stages.sh "$RUN/config.yaml" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "bench/stages.sh started: $RUN/snakemake.log"
   ;;
 vllm)  # the vLLM bundle carried in parts (../shared/tools/vllm-wheels.sh DIR, then `stage` each
