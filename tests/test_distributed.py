@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -517,21 +518,32 @@ def test_killing_one_rank_fails_the_whole_run_fast(data, target_dir, tmp_path):
 
 
 def test_a_silent_peer_times_out_with_a_message_naming_it(data, target_dir, tmp_path):
-    # Most of this test's minute is torchrun giving the stopped worker 30 s to obey SIGTERM
-    # before SIGKILL: after a worker failure its agent stops the others with the default
-    # timeout, whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT or --shutdown-timeout say (torch 2.13).
     run = launch(config(1, 1, timeout_s=5), data, target_dir, tmp_path)
     wait_for(tmp_path, 2, run)
     target = worker(run, 1)
     os.kill(target, signal.SIGSTOP)  # alive but silent
     started = time.time()
+    # a hung run fails the test instead of hanging it
+    watchdog = threading.Timer(120, os.killpg, (run.pid, signal.SIGKILL))
+    watchdog.start()
     try:
-        err = run.communicate(timeout=120)[1]
+        seen = []
+        for line in run.stderr:  # until the drafter names the silent peer
+            seen.append(line)
+            if "nothing for 5 s" in line:
+                break
+        # The run has failed by now. Woken, the peer obeys the SIGTERM torchrun's agent sends
+        # it; stopped, it would get SIGKILL only after the agent's 30 s grace, whatever
+        # TORCH_ELASTIC_SHUTDOWN_TIMEOUT or --shutdown-timeout say (torch 2.13; measured on
+        # GPUs: the whole run exits 41.6 s after a 10 s timeout, bench/fail_fast.py).
+        os.kill(target, signal.SIGCONT)
+        err = "".join(seen) + run.communicate()[1]
     finally:
+        watchdog.cancel()
         if Path(f"/proc/{target}").exists():
             os.kill(target, signal.SIGKILL)
     assert run.returncode != 0
-    assert time.time() - started < 90
+    assert time.time() - started < 60
     assert "rank 0 (drafter 0): receiving batch" in err
     assert "from rank 1 (target 0): nothing for 5 s (train.timeout_s)" in err
 
