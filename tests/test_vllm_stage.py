@@ -5,6 +5,7 @@ ran on the H200 (BENCHMARKS.md), not here."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -75,6 +76,9 @@ def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_
     assert record["tokens_per_s"]["32"]["speedup"] == pytest.approx(0.9)
     text = summary_section(record)
     assert f"| {sets[-1]} |" in text and "concurrency 32 0.90x" in text
+    # as the report reads it back from vllm.json (keys sorted as text): still 1, 8, 32
+    reread = json.loads(json.dumps(record, sort_keys=True))
+    assert re.search("batch 1 .* concurrency 8 .* concurrency 32 ", summary_section(reread))
     # the run record keeps vLLM's acceptance length beside ours, its speedups with the speeds
     ddtree = json.loads((second_workflow.results / "eval/ddtree.json").read_text())
     summary = eval_summary(acceptance, ddtree, record)
