@@ -264,7 +264,8 @@ def summary_section(record: dict) -> str:
         + ", ".join(
             f"{'batch 1' if c == '1' else f'concurrency {c}'} {s['speedup']:.2f}x "
             f"({s['dflash']:.0f} against {s['target']:.0f})"
-            for c, s in sorted(speed.items(), key=lambda item: int(item[0]))  # JSON sorts keys as text
+            # JSON sorts the keys as text (1, 32, 8): order them as numbers
+            for c, s in sorted(speed.items(), key=lambda item: int(item[0]))
         )
         + ".",
         "",
