@@ -197,46 +197,6 @@ features.FeatureModel.queue = failing
 """
 
 
-def test_mlflow_logs_every_step_and_a_resumed_run_continues_the_same_mlflow_run(
-    runs, data, target_dir, tmp_path, monkeypatch
-):
-    """With MLFLOW_TRACKING_URI set (train.mlflow: auto), the run's curves and config land in
-    MLflow. A run that fails is FAILED there; the rerun resumes into the same MLflow run and ends
-    it FINISHED, with every step logged."""
-    import mlflow
-
-    store = f"file://{tmp_path / 'mlruns'}"
-    env = {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this test's own client reads it too
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(FAILING_TARGET)
-    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
-    out = tmp_path / "run"
-    failed = launch(
-        config(0, 1), data, target_dir, out, torchrun=False, env=env | {"PYTHONPATH": path}
-    )
-    err = failed.communicate(timeout=600)[1]
-    assert failed.returncode != 0 and "injected failure" in err
-    client = mlflow.MlflowClient(store)
-    (experiment,) = [e for e in client.search_experiments() if e.name == "dflash"]
-    (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.status == "FAILED"
-    assert run.data.params["train.lr"] == "0.001" and run.info.run_name == run_dir(out).name
-    before = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert before == [1, 2, 3, 4, 5]
-
-    err = finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
-    assert "resumed from" in err
-    (again,) = client.search_runs([experiment.experiment_id])
-    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
-    loss = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.step for m in loss] == [r["step"] for r in steps(out)]
-    # the resumed run logs what an uninterrupted one does
-    assert steps(out) == steps(runs[(0, 1)])
-    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in steps(out)])
-
-
 def test_mlflow_true_without_a_tracking_uri_fails_before_training(data, target_dir, tmp_path):
     env = {"MLFLOW_TRACKING_URI": ""}
     run = launch(config(0, 1, mlflow=True), data, target_dir, tmp_path, torchrun=False, env=env)
@@ -291,16 +251,23 @@ def wandb_run(folder: Path) -> dict:
     return run
 
 
-def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_the_same_wandb_run(
-    data, target_dir, tmp_path
+def test_mlflow_and_wandb_log_every_step_and_a_resumed_run_continues_the_same_runs(
+    runs, data, target_dir, tmp_path, monkeypatch
 ):
-    """With WANDB_MODE=offline (train.wandb: auto) each attempt writes an offline W&B run under
-    the run folder, no network needed: the config and every step's curves. A run that fails ends
-    its W&B run with exit code 1; the rerun resumes the same W&B run (same id) and logs the rest."""
+    """With MLFLOW_TRACKING_URI set (train.mlflow: auto) and WANDB_MODE=offline (train.wandb:
+    auto), one training run logs to both, no network needed: its config and every step's curves.
+    A run that fails is FAILED in MLflow and ends its W&B run with exit code 1; the rerun resumes
+    into the same MLflow run (FINISHED at the end) and the same W&B run (same id), and between
+    them the two attempts log every step an uninterrupted run logs."""
+    import mlflow
+
+    store = f"file://{tmp_path / 'mlruns'}"
     home = tmp_path / "wandb-home"  # W&B's settings, cache and artifacts: not the user's
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": ""} | {
+    env = {"MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    env |= {"WANDB_MODE": "offline", "WANDB_DIR": ""} | {
         f"WANDB_{k}_DIR": str(home / k) for k in ("CONFIG", "CACHE", "DATA", "ARTIFACT")
     }
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this test's own client reads it too
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FAILING_TARGET)
@@ -311,8 +278,25 @@ def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_the_same_wand
     )
     err = failed.communicate(timeout=600)[1]
     assert failed.returncode != 0 and "injected failure" in err
+    client = mlflow.MlflowClient(store)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "dflash"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.params["train.lr"] == "0.001" and run.info.run_name == run_dir(out).name
+    before = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert before == [1, 2, 3, 4, 5]
+
     err = finish(launch(config(0, 1), data, target_dir, out, torchrun=False, env=env))
     assert "resumed from" in err
+    logged = steps(out)
+    # the resumed run logs what an uninterrupted one does
+    assert logged == steps(runs[(0, 1)])
+
+    (again,) = client.search_runs([experiment.experiment_id])
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in loss] == [r["step"] for r in logged]
+    assert [m.value for m in loss] == pytest.approx([r["loss"] for r in logged])
 
     first, second = (wandb_run(f) for f in sorted((run_dir(out) / "wandb").glob("offline-run-*")))
     assert first["id"] == second["id"] == (run_dir(out) / "wandb_run_id").read_text()
@@ -320,7 +304,6 @@ def test_wandb_offline_logs_every_step_and_a_resumed_run_continues_the_same_wand
     assert first["config"]["train"]["lr"] == 0.001 and first["config"]["seed"] == 0
     assert (first["exit_code"], second["exit_code"]) == (1, 0)
     assert sorted(first["history"]) == [1, 2, 3, 4, 5]
-    logged = steps(out)
     history = first["history"] | second["history"]
     assert sorted(history) == [r["step"] for r in logged]
     assert [history[r["step"]]["train/loss"] for r in logged] == pytest.approx(
