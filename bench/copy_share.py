@@ -1,13 +1,15 @@
-"""How much of a tokenized split copies its own context, answer by answer: the share of training
-anchors (positions a where a and a+1 are trainable) whose next token prompt lookup could have
-proposed (the 4-gram a-2..a+1 seen earlier in the row: `copies_context`, what
-`drafter.copy_anchor_weight` weighs), and where lookup's match runs on for 8 and for 15 tokens
-(a whole block of 16 accepted by copying).
+"""How much of a tokenized split copies its own context, answer by answer, over the training
+anchors (positions a where a and a+1 are trainable):
 
-    python bench/copy_share.py results/data/tokenized/train.parquet [--weights 2 4]
+- copy anchors: the 4-gram a-2..a+1 occurred earlier in the row (`copies_context`, what
+  `drafter.copy_anchor_weight` weighs);
+- prompt lookup's accepted run there: the evaluation's own `prompt_lookup_draft` of 15 tokens
+  from the row up to a, accepted as far as it equals the answer's next tokens (one round,
+  teacher-forced; the answer's end caps it): the share of anchors with 1+, 8+ and 15 accepted;
+- the share of copy anchors among those training draws, drawn by `sample_anchors` itself with
+  `max_anchors` per row and each --weights (1: the uniform draw).
 
-With copy anchor weight w, a copy position is drawn w times as likely: a share p of copy
-positions becomes w p / (w p + 1 - p) of the draws, printed for each --weights.
+    python bench/copy_share.py results/data/tokenized/train.parquet [--max-anchors 96]
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.model.objective import COPY_NGRAM, copies_context  # noqa: E402
+from dflash.eval.lookup import prompt_lookup_draft  # noqa: E402
+from dflash.model.objective import copies_context, sample_anchors  # noqa: E402
 
-RUNS = (1, 8, 15)  # lookup's match continuing for at least this many tokens
-MATCH = COPY_NGRAM - 1  # lookup matches the last three committed tokens
+DRAFT = 15  # a block of 16: the anchor and 15 drafted tokens
+RUNS = (1, 8, DRAFT)
 
 
 def answers(loss_mask: list[int]) -> list[tuple[int, int]]:
@@ -40,59 +43,76 @@ def answers(loss_mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def copy_run(ids: list[int], earlier: dict, a: int, cap: int) -> int:
-    """How many tokens from a+1 on repeat what followed an earlier occurrence of a-2..a."""
-    best = 0
-    for j in earlier.get(tuple(ids[a - MATCH + 1 : a + 1]), ()):
-        t = 0
-        while a + 1 + t < len(ids) and ids[j + 1 + t] == ids[a + 1 + t] and t < cap:
-            t += 1
-        best = max(best, t)
-        if best >= cap:
-            break
-    return best
+def lookup_run(ids: list[int], a: int, end: int) -> int:
+    """Tokens after anchor a that prompt lookup, drafting from ids[:a+1], gets right before the
+    answer ends at `end`."""
+    draft = prompt_lookup_draft(ids[: a + 1], min(DRAFT, end - 1 - a))
+    run = 0
+    while run < len(draft) and draft[run] == ids[a + 1 + run]:
+        run += 1
+    return run
 
 
-def shares(frame: pl.DataFrame) -> dict:
-    """answer index (0, 1, "2+") -> anchors, copy share, and the share of each lookup run."""
-    counts = defaultdict(lambda: defaultdict(int))
+def answer_of(spans: list[tuple[int, int]], n: int) -> list[int | None]:
+    """Per position, the index of the answer it anchors in (a and a+1 in it), else None."""
+    index: list[int | None] = [None] * n
+    for k, (s, e) in enumerate(spans):
+        index[s : e - 1] = [k] * (e - 1 - s)
+    return index
+
+
+def shares(frame: pl.DataFrame, max_anchors: int, weights=(1.0,), seed: int = 0) -> dict:
+    """answer index (0, 1, "2+") -> anchors, copy share, lookup run shares, and per weight w the
+    share of copy anchors among the drawn ones."""
+    counts = defaultdict(lambda: defaultdict(float))
+    generator = torch.Generator().manual_seed(seed)
     for ids, mask in zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(), strict=True):
-        copies = copies_context(torch.tensor([ids]))[0].tolist()
-        earlier = defaultdict(list)  # last MATCH tokens -> positions of their last token so far
+        row, loss_mask = torch.tensor([ids]), torch.tensor([mask])
+        copies = copies_context(row)[0].tolist()
         spans = answers(mask)
-        for a in range(len(ids) - 1):
-            k = next((i for i, (s, e) in enumerate(spans) if s <= a < e - 1), None)
-            if k is not None and a >= MATCH - 1:
-                c = counts[min(k, 2)]
-                c["anchors"] += 1
-                c["copy"] += copies[a]
-                run = copy_run(ids, earlier, a, max(RUNS))
-                for n in RUNS:
-                    c[f"run{n}"] += run >= n
-            if a >= MATCH - 1:
-                earlier[tuple(ids[a - MATCH + 1 : a + 1])].append(a)
-    return {
-        ("2+" if k == 2 else k): {"anchors": c["anchors"]}
-        | {key: c[key] / c["anchors"] for key in ("copy", *(f"run{n}" for n in RUNS))}
-        for k, c in sorted(counts.items())
-    }
+        index = answer_of(spans, len(ids))
+        for a, k in enumerate(index):
+            if k is None:
+                continue
+            c = counts[min(k, 2)]
+            c["anchors"] += 1
+            c["copy"] += copies[a]
+            run = lookup_run(ids, a, spans[k][1])
+            for n in RUNS:
+                c[f"run{n}"] += run >= n
+        for w in weights:
+            anchors, valid = sample_anchors(loss_mask, max_anchors, generator, row, w)
+            for a in anchors[valid].tolist():
+                c = counts[min(index[a], 2)]
+                c[f"drawn{w:g}"] += 1
+                c[f"copies{w:g}"] += copies[a]
+    table = {}
+    for k, c in sorted(counts.items()):
+        n = c["anchors"]
+        row = {"anchors": int(n), "copy": c["copy"] / n}
+        row |= {f"run{r}": c[f"run{r}"] / n for r in RUNS}
+        row |= {f"drawn{w:g}": c[f"copies{w:g}"] / max(c[f"drawn{w:g}"], 1) for w in weights}
+        table["2+" if k == 2 else k] = row
+    return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tokenized", type=Path)
-    parser.add_argument("--weights", type=float, nargs="*", default=[2.0, 4.0])
+    parser.add_argument("--max-anchors", type=int, default=96, help="drafter.max_anchors")
+    parser.add_argument("--weights", type=float, nargs="*", default=[1.0, 2.0, 4.0])
     args = parser.parse_args()
-    table = shares(pl.read_parquet(args.tokenized))
-    print("| answer | anchors | copy (4-gram) | lookup runs 1+ | 8+ | 15+ |")
-    print("|---|---|---|---|---|---|")
+    table = shares(pl.read_parquet(args.tokenized), args.max_anchors, args.weights)
+    drawn = [f"w {w:g}" for w in args.weights]
+    print(
+        "| answer | anchors | copy anchors | lookup accepts 1+ | 8+ | 15 | "
+        f"copy anchors drawn, {' | '.join(drawn)} |"
+    )
+    print("|---|---|---|---|---|---|" + "---|" * len(drawn))
     for k, s in table.items():
-        runs = " | ".join(f"{s[f'run{n}']:.3f}" for n in RUNS)
-        print(f"| {k} | {s['anchors']} | {s['copy']:.3f} | {runs} |")
-    total = sum(s["anchors"] for s in table.values())
-    p = sum(s["copy"] * s["anchors"] for s in table.values()) / total
-    drawn = ", ".join(f"w {w:g}: {w * p / (w * p + 1 - p):.3f}" for w in args.weights)
-    print(f"\ncopy share of all {total} anchors {p:.3f}; of the draws with {drawn}")
+        cells = [f"{s[f'run{n}']:.3f}" for n in RUNS]
+        cells += [f"{s[f'drawn{w:g}']:.3f}" for w in args.weights]
+        print(f"| {k} | {s['anchors']} | {s['copy']:.3f} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -75,20 +75,15 @@ def same_prompt_speedups(acceptance: dict, ddtree: dict) -> str:
     ours, theirs = speedup(a, "drafter", 0), speedup(d, "chain", 1)
     if ours is None or theirs is None:
         return ""
-    apart = max(ours, theirs) / min(ours, theirs) - 1
-    machine = widest_probe(acceptance, ddtree)
-    if apart <= SPEEDUP_TOLERANCE:
+    if min(ours, theirs) > 0 and max(ours, theirs) / min(ours, theirs) - 1 <= SPEEDUP_TOLERANCE:
         verdict = f"they agree within {SPEEDUP_TOLERANCE:.0%}"
-    elif machine and machine[0] > apart:
-        # the same fixed step varied more than the speedups did: the machine, not the methods
-        verdict = (
-            f"they differ by {apart:.0%}, less than the machine itself varied between the two "
-            f"stages: the same {machine[1]} (`clock_probe`)"
-        )
     else:
         verdict = (
             f"they differ by more than {SPEEDUP_TOLERANCE:.0%}: the two stages' clocks disagree"
         )
+        machine = cpu_probe_spread(acceptance, ddtree)
+        if machine:  # context, not an excuse: it need not point the way the speedups do
+            verdict += f" (on this CPU the machine itself was not steady: the same {machine})"
     return (
         f"**Clock check:** on the {len(shared)} prompts both stages decoded to the same text, "
         f"the drafter's speedup over the target alone is {ours:.2f}x in the acceptance stage and "
@@ -105,24 +100,25 @@ def probe_steps(block: int) -> dict[str, str]:
     }
 
 
-def widest_probe(acceptance: dict, ddtree: dict) -> tuple[float, str] | None:
-    """The fixed step whose time differed most between the two stages' live sessions, as
-    (relative spread, "<step> took <ms> in <stage> and <ms> in <stage>"), or None without
-    probes. Each stage is its own process: a CPU's speed can change that much between them."""
+def cpu_probe_spread(acceptance: dict, ddtree: dict) -> str:
+    """On a CPU (probes without a fixed-cache part), the fixed step whose time differed most
+    between the two stages, "<step> took <ms> in <stage> and <ms> in <stage>", where that is
+    more than PROBE_TOLERANCE; else ''. Each stage is its own process, and a shared CPU's speed
+    changes between them; `probe_spread` judges a GPU's probes instead."""
     probes = {"the acceptance stage": acceptance.get("clock_probe")}
     probes["DDTree's stage"] = ddtree.get("clock_probe")
-    if not all(p and p.get("live") for p in probes.values()):
-        return None
-    widest = None
+    if not all(p and p.get("live") and "fixed" not in p for p in probes.values()):
+        return ""
+    widest, text = PROBE_TOLERANCE, ""
     for key, step in probe_steps(acceptance.get("block_size", 16)).items():
         live = {stage: p["live"].get(key) for stage, p in probes.items()}
         if None in live.values() or min(live.values()) <= 0:
             continue
         spread = max(live.values()) / min(live.values()) - 1
-        if widest is None or spread > widest[0]:
+        if spread > widest:
             (sa, ta), (sb, tb) = live.items()
-            widest = (spread, f"{step} took {ta:.1f} ms in {sa} and {tb:.1f} ms in {sb}")
-    return widest
+            widest, text = spread, f"{step} took {ta:.1f} ms in {sa} and {tb:.1f} ms in {sb}"
+    return text
 
 
 def probe_spread(acceptance: dict, ddtree: dict) -> str:
