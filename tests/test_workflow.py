@@ -229,6 +229,25 @@ def test_the_slurm_profile_sends_every_gpu_rule_to_gpus(tiny_workflow):
     assert plan["train"]["gpu"] == "2"  # tiny.yaml: 1 target + 1 drafter
 
 
+def test_every_rule_that_asks_for_a_gpu_goes_to_the_slurm_gpu_partition():
+    """Every rule whose resources name `gpu` (eval_vllm included, which the dry run above does
+    not plan without vLLM) has a gpu-partition entry in the SLURM profile: else its sbatch job
+    would ask for a GPU on the cpu partition."""
+    import yaml
+
+    asking, rule = set(), None
+    for path in sorted((REPO / "workflow" / "rules").glob("*.smk")):
+        for line in path.read_text().splitlines():
+            if line.startswith("rule "):
+                rule = line.split()[1].rstrip(":")
+            elif line.strip().startswith("gpu=") and rule:
+                asking.add(rule)
+    assert {"regenerate_shard", "train", "eval_acceptance", "eval_vllm"} <= asking
+    profile = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
+    sent = {r for r, res in profile["set-resources"].items() if res["slurm_partition"] == "gpu"}
+    assert asking <= sent, asking - sent
+
+
 FROM_REGENERATION = {"regenerate_shard", "regenerate", "tokenize", "length_stats", "stats"}
 
 
