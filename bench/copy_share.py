@@ -7,9 +7,13 @@ anchors (positions a where a and a+1 are trainable):
   from the row up to a, accepted as far as it equals the answer's next tokens (one round,
   teacher-forced; the answer's end caps it): the share of anchors with 1+, 8+ and 15 accepted;
 - the share of copy anchors among those training draws, drawn by `sample_anchors` itself with
-  `max_anchors` per row and each --weights (1: the uniform draw).
+  `max_anchors` per row and each --weights (1: the uniform draw);
+- with --target and --drafter: the drafter's own accepted tokens at every anchor (teacher-forced,
+  `block_matches`, fp32 on the CPU or the GPU) beside lookup's, by how far lookup gets: does the
+  drafter copy where lookup does?
 
-    python bench/copy_share.py results/data/tokenized/train.parquet [--max-anchors 96]
+    python bench/copy_share.py results/data/tokenized/train.parquet [--max-anchors 96] \
+        [--target resources/target/<name>/hf --drafter results/drafter [--rows 64]]
 """
 
 from __future__ import annotations
@@ -96,13 +100,51 @@ def shares(frame: pl.DataFrame, max_anchors: int, weights=(1.0,), seed: int = 0)
     return table
 
 
+def lookup_bucket(run: int) -> str:
+    return "0" if run == 0 else "1-7" if run < 8 else "8-14" if run < DRAFT else "15"
+
+
+@torch.no_grad()
+def drafter_against_lookup(frame: pl.DataFrame, target: Path, drafter: Path) -> dict:
+    """("first" | "later" answers, lookup bucket) -> (anchors, drafter's mean accepted, lookup's
+    mean accepted), the drafter's teacher-forced on the target's features of each row."""
+    from dflash.eval.predicted import full_features
+    from dflash.eval.setup import load_models
+    from dflash.model.tau_sim import block_matches
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, draft, _ = load_models({"eval": {"device": device, "dtype": "float32"}}, target, drafter)
+    embed, head = model.get_input_embeddings(), model.lm_head.weight
+    found = defaultdict(list)
+    for ids, mask in zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(), strict=True):
+        features = full_features(model, ids, draft.config.target_layer_ids)
+        row = torch.tensor(ids)
+        for k, (s, e) in enumerate(answers(mask)):
+            anchors = torch.arange(s, e - 1)
+            matched = block_matches(draft, embed, head, features, row, anchors, e).tolist()
+            for a, d in zip(anchors.tolist(), matched, strict=True):
+                run = lookup_run(ids, a, e)
+                found[("first" if k == 0 else "later", lookup_bucket(run))].append((d, run))
+    order = [(t, b) for t in ("first", "later") for b in ("0", "1-7", "8-14", "15")]
+    return {
+        key: (len(v), sum(d for d, _ in v) / len(v), sum(r for _, r in v) / len(v))
+        for key in order
+        if (v := found.get(key))
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tokenized", type=Path)
     parser.add_argument("--max-anchors", type=int, default=96, help="drafter.max_anchors")
     parser.add_argument("--weights", type=float, nargs="*", default=[1.0, 2.0, 4.0])
+    parser.add_argument("--target", type=Path, help="the target's hf/ folder")
+    parser.add_argument("--drafter", type=Path, help="an exported drafter (results/drafter)")
+    parser.add_argument("--rows", type=int, help="only the first ROWS rows")
     args = parser.parse_args()
-    table = shares(pl.read_parquet(args.tokenized), args.max_anchors, args.weights)
+    frame = pl.read_parquet(args.tokenized)
+    frame = frame.head(args.rows) if args.rows else frame
+    table = shares(frame, args.max_anchors, args.weights)
     drawn = [f"w {w:g}" for w in args.weights]
     print(
         "| answer | anchors | copy anchors | lookup accepts 1+ | 8+ | 15 | "
@@ -113,6 +155,13 @@ def main() -> None:
         cells = [f"{s[f'run{n}']:.3f}" for n in RUNS]
         cells += [f"{s[f'drawn{w:g}']:.3f}" for w in args.weights]
         print(f"| {k} | {s['anchors']} | {s['copy']:.3f} | {' | '.join(cells)} |")
+    if args.target and args.drafter:
+        print("\n| answers | lookup accepts | anchors | drafter accepts (mean) | lookup (mean) |")
+        print("|---|---|---|---|---|")
+        for (turn, bucket), (n, d, r) in drafter_against_lookup(
+            frame, args.target, args.drafter
+        ).items():
+            print(f"| {turn} | {bucket} | {n} | {d:.2f} | {r:.2f} |")
 
 
 if __name__ == "__main__":
