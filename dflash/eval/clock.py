@@ -91,13 +91,25 @@ def same_prompt_speedups(acceptance: dict, ddtree: dict) -> str:
     )
 
 
-def probe_steps(block: int) -> dict[str, str]:
-    """`clock_probe` keys -> the fixed step each times."""
+def stage_probes(acceptance: dict, ddtree: dict) -> dict:
+    """Each stage's `clock_probe` record (None where it has none), by the stage's name."""
     return {
+        "the acceptance stage": acceptance.get("clock_probe"),
+        "DDTree's stage": ddtree.get("clock_probe"),
+    }
+
+
+def live_steps(probes: dict, block: int):
+    """(key, step, {stage: ms}) for each fixed step every stage's live sessions timed."""
+    steps = {
         "verify_1_ms": "1-token step",
         f"verify_{block}_ms": f"{block}-token verify forward",
         "drafter_round_ms": "drafter round",
     }
+    for key, step in steps.items():
+        live = {stage: p["live"].get(key) for stage, p in probes.items()}
+        if None not in live.values():
+            yield key, step, live
 
 
 def cpu_probe_spread(acceptance: dict, ddtree: dict) -> str:
@@ -105,14 +117,12 @@ def cpu_probe_spread(acceptance: dict, ddtree: dict) -> str:
     between the two stages, "<step> took <ms> in <stage> and <ms> in <stage>", where that is
     more than PROBE_TOLERANCE; else ''. Each stage is its own process, and a shared CPU's speed
     changes between them; `probe_spread` judges a GPU's probes instead."""
-    probes = {"the acceptance stage": acceptance.get("clock_probe")}
-    probes["DDTree's stage"] = ddtree.get("clock_probe")
+    probes = stage_probes(acceptance, ddtree)
     if not all(p and p.get("live") and "fixed" not in p for p in probes.values()):
         return ""
     widest, text = PROBE_TOLERANCE, ""
-    for key, step in probe_steps(acceptance.get("block_size", 16)).items():
-        live = {stage: p["live"].get(key) for stage, p in probes.items()}
-        if None in live.values() or min(live.values()) <= 0:
+    for _, step, live in live_steps(probes, acceptance.get("block_size", 16)):
+        if min(live.values()) <= 0:
             continue
         spread = max(live.values()) / min(live.values()) - 1
         if spread > widest:
@@ -126,16 +136,11 @@ def probe_spread(acceptance: dict, ddtree: dict) -> str:
     the two stages (on their live sessions, after every method), or ''. Only probes taken on a
     GPU (those with a `fixed` part) are judged: a CPU's few repetitions of a 50 ms step vary more
     than that."""
-    block = acceptance.get("block_size", 16)
-    probes = {"the acceptance stage": acceptance.get("clock_probe")}
-    probes["DDTree's stage"] = ddtree.get("clock_probe")
+    probes = stage_probes(acceptance, ddtree)
     if not all(p and "fixed" in p for p in probes.values()):
         return ""
     found = []
-    for key, step in probe_steps(block).items():
-        live = {stage: p["live"].get(key) for stage, p in probes.items()}
-        if None in live.values():
-            continue
+    for key, step, live in live_steps(probes, acceptance.get("block_size", 16)):
         slow, fast = max(live, key=live.get), min(live, key=live.get)
         if live[slow] <= live[fast] * (1 + PROBE_TOLERANCE):
             continue
