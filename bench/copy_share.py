@@ -30,27 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.eval.lookup import prompt_lookup_draft  # noqa: E402
 from dflash.model.objective import copies_context, sample_anchors  # noqa: E402
+from dflash.model.tau_sim import response_spans  # noqa: E402
 
 DRAFT = 15  # a block of 16: the anchor and 15 drafted tokens
 RUNS = (1, 8, DRAFT)
 
 
-def answers(loss_mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of trainable tokens: one answer each."""
-    spans, start = [], None
-    for i, v in enumerate([*loss_mask, 0]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
-
-
-def lookup_run(ids: list[int], a: int, end: int) -> int:
-    """Tokens after anchor a that prompt lookup, drafting from ids[:a+1], gets right before the
-    answer ends at `end`."""
-    draft = prompt_lookup_draft(ids[: a + 1], min(DRAFT, end - 1 - a))
+def lookup_run(ids: list[int], a: int, last: int) -> int:
+    """Tokens after anchor a that prompt lookup, drafting from ids[:a+1], gets right up to the
+    answer's last token at `last`."""
+    draft = prompt_lookup_draft(ids[: a + 1], min(DRAFT, last - a))
     run = 0
     while run < len(draft) and draft[run] == ids[a + 1 + run]:
         run += 1
@@ -58,10 +47,11 @@ def lookup_run(ids: list[int], a: int, end: int) -> int:
 
 
 def answer_of(spans: list[tuple[int, int]], n: int) -> list[int | None]:
-    """Per position, the index of the answer it anchors in (a and a+1 in it), else None."""
+    """Per position, the index of the answer it anchors in (a and a+1 in it), else None; spans
+    as `response_spans` gives them, (first, last)."""
     index: list[int | None] = [None] * n
-    for k, (s, e) in enumerate(spans):
-        index[s : e - 1] = [k] * (e - 1 - s)
+    for k, (first, last) in enumerate(spans):
+        index[first:last] = [k] * (last - first)
     return index
 
 
@@ -73,7 +63,7 @@ def shares(frame: pl.DataFrame, max_anchors: int, weights=(1.0,), seed: int = 0)
     for ids, mask in zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(), strict=True):
         row, loss_mask = torch.tensor([ids]), torch.tensor([mask])
         copies = copies_context(row)[0].tolist()
-        spans = answers(mask)
+        spans = response_spans(mask)
         index = answer_of(spans, len(ids))
         for a, k in enumerate(index):
             if k is None:
@@ -119,11 +109,11 @@ def drafter_against_lookup(frame: pl.DataFrame, target: Path, drafter: Path) -> 
     for ids, mask in zip(frame["input_ids"].to_list(), frame["loss_mask"].to_list(), strict=True):
         features = full_features(model, ids, draft.config.target_layer_ids)
         row = torch.tensor(ids)
-        for k, (s, e) in enumerate(answers(mask)):
-            anchors = torch.arange(s, e - 1)
-            matched = block_matches(draft, embed, head, features, row, anchors, e).tolist()
+        for k, (first, last) in enumerate(response_spans(mask)):
+            anchors = torch.arange(first, last)  # as tau_sim's walk anchors them
+            matched = block_matches(draft, embed, head, features, row, anchors, last).tolist()
             for a, d in zip(anchors.tolist(), matched, strict=True):
-                run = lookup_run(ids, a, e)
+                run = lookup_run(ids, a, last)
                 found[("first" if k == 0 else "later", lookup_bucket(run))].append((d, run))
     order = [(t, b) for t in ("first", "later") for b in ("0", "1-7", "8-14", "15")]
     return {
