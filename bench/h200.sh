@@ -47,7 +47,16 @@ refuse_if_running() {
 }
 copy_tree() {
   local RES=/tmp/dflash-results STATE=/tmp/dflash-state
-  if [ -d results ] && [ ! -L results ]; then rm -rf "$RES" && mv results "$RES"; fi
+  # a results/ folder in the tree (from `unpack`) becomes the run's, but never over a run's own:
+  # 2026-12-05 a `mkdir -p results/target` in the tree replaced a finished run's results
+  if [ -d results ] && [ ! -L results ]; then
+    if [ -n "$(ls -A "$RES" 2>/dev/null)" ]; then
+      echo "results/ here is a folder and $RES holds a run's results: not replacing them" \
+        "(remove one of the two first)" >&2
+      exit 1
+    fi
+    rm -rf "$RES" && mv results "$RES"
+  fi
   mkdir -p "$RES" "$STATE/.snakemake" "$STATE/resources" && ln -sfn "$RES" results
   rm -rf "$SRC" && mkdir -p "$SRC"
   # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
@@ -120,6 +129,11 @@ stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's cop
   refuse_if_running
   copy_tree
   if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
+  # after `start`, the target Snakemake converted (resources/) is bench/stages.sh's target too
+  hf=$(ls -d /tmp/dflash-state/resources/target/*/hf 2>/dev/null | head -1)
+  if [ -n "$hf" ] && [ ! -e results/target/hf ]; then
+    mkdir -p results/target && ln -sfn "$hf" results/target/hf
+  fi
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   bash "$0" cache
   # the config files merged as Snakemake merges --configfile (a later one over the earlier ones,

@@ -1,11 +1,13 @@
 """A speculative output that parts from the target's own is judged at its first differing token:
 a near tie is rounding in reduced precision, anything else (or anything in float32) is a bug."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash.eval.lossless import divergence, first_difference, judge
+from dflash.eval.lossless import beyond, divergence, first_difference, judge, recheck_in_float32
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +67,32 @@ def test_an_output_that_stops_early_is_a_real_mismatch(model):
     (d,) = [divergence(model, "s", [1, 2], [7, 8, 9], [7, 8])]
     assert d.position == 2 and d.speculative is None and d.gap is None
     assert judge([d], exact=False, margin=100.0)[1] == [d.__dict__]
+
+
+def test_a_bf16_gap_past_the_margin_is_measured_again_in_float32(model, tmp_path):
+    """The judging forward rounds in bf16 too (2026-12-05: a gap of 1.0 on an H100, exact in
+    float32). A gap past the margin is measured again by the target loaded in float32 from its
+    folder; a token the target clearly did not pick stays a bug. The run's model here is a bf16
+    copy whose runner-up logit was pushed down, as rounding can: its gap is wide, the target's
+    is not."""
+    model.save_pretrained(tmp_path)
+    prompt = [3, 17, 42, 5]
+    ref = greedy(model, prompt, 1)
+    exact = ranked_logits(model, prompt)
+    runner_up, worst = exact.argsort(descending=True)[1].item(), exact.argmin().item()
+    run = copy.deepcopy(model)
+    with torch.no_grad():  # the runner-up scores as the worst token does: a wide gap
+        run.lm_head.weight[runner_up] = run.lm_head.weight[worst]
+    run = run.to(torch.bfloat16)
+    tie = divergence(run, "tie", prompt, ref, [runner_up])
+    bug = divergence(run, "bug", prompt, ref, [worst])
+    g32 = {d: (exact[ref[0]] - exact[t]).item() for d, t in (("tie", runner_up), ("bug", worst))}
+    margin = (g32["tie"] + g32["bug"]) / 2
+    assert beyond(tie, margin) and beyond(bug, margin)  # in the run's own dtype: both fail
+    assert judge([tie], exact=False, margin=margin)[1] != []
+    recheck_in_float32(tmp_path, [(tie, prompt), (bug, prompt)])
+    assert tie.gap_float32 == pytest.approx(g32["tie"], abs=1e-4)
+    assert bug.gap_float32 == pytest.approx(g32["bug"], abs=1e-4)
+    ties, real = judge([tie, bug], exact=False, margin=margin)
+    assert [d["prompt"] for d in ties] == ["tie"] and [d["prompt"] for d in real] == ["bug"]
+    assert judge([tie], exact=True, margin=margin)[0] == []  # float32 runs: no forgiveness

@@ -92,6 +92,7 @@ class Setup:
 
         config = self.config = args.config
         self.model, self.drafter, self.dtype = load_models(config, args.target, args.drafter)
+        self.target_path = Path(args.target)  # for the float32 recheck of a bf16 divergence
         device = self.model.get_input_embeddings().weight.device
         self.tokenizer = AutoTokenizer.from_pretrained(args.target)
         self.session = target_session(self.model, self.drafter.config.target_layer_ids)
