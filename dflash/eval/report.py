@@ -162,10 +162,13 @@ def _tau(m: dict) -> str:
 def _precision(acceptance: dict) -> str:
     """The decoding dtype, and how many outputs parted from the target's at a near tie."""
     dtype = acceptance.get("dtype", "float32")
-    ties = sum(map(len, (acceptance.get("near_ties") or {}).values()))
+    ties = [t for ts in (acceptance.get("near_ties") or {}).values() for t in ts]
     if dtype == "float32":
         return " (float32: outputs equal token for token)"
-    return f" ({dtype}; {ties} outputs part from the target's own at a near tie, rounding)"
+    # a tie the run's own dtype measured past the margin, and float32 within it
+    rechecked = sum(t.get("gap_float32") is not None for t in ties)
+    by_float32 = f", {rechecked} of them by the target's float32 gap" if rechecked else ""
+    return f" ({dtype}; {len(ties)} outputs part from the target's own at a near tie{by_float32}, rounding)"
 
 
 def _turn(prompt_id: str) -> int:
