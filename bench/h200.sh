@@ -130,10 +130,12 @@ stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's cop
   refuse_if_running
   copy_tree
   if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
-  # after `start`, the target Snakemake converted (resources/) is bench/stages.sh's target too
-  hf=$(ls -d /tmp/dflash-state/resources/target/*/hf 2>/dev/null | head -1)
-  if [ -n "$hf" ] && [ ! -e results/target/hf ]; then
-    mkdir -p results/target && ln -sfn "$hf" results/target/hf
+  # after `start`, the target Snakemake converted (resources/) is bench/stages.sh's target too,
+  # when it is the only one there (with two, which one CONFIG names is not guessed)
+  converted=(/tmp/dflash-state/resources/target/*/hf)
+  if [ ${#converted[@]} -eq 1 ] && [ -d "${converted[0]}" ] && [ ! -e results/target/hf ]; then
+    mkdir -p results/target && ln -sfn "${converted[0]}" results/target/hf
+    cp "$(dirname "${converted[0]}")/target.json" results/target/target.json 2>/dev/null || true
   fi
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   bash "$0" cache

@@ -69,30 +69,71 @@ def test_an_output_that_stops_early_is_a_real_mismatch(model):
     assert judge([d], exact=False, margin=100.0)[1] == [d.__dict__]
 
 
-def test_a_bf16_gap_past_the_margin_is_measured_again_in_float32(model, tmp_path):
-    """The judging forward rounds in bf16 too (2026-12-05: a gap of 1.0 on an H100, exact in
-    float32). A gap past the margin is measured again by the target loaded in float32 from its
-    folder; a token the target clearly did not pick stays a bug. The run's model here is a bf16
-    copy whose runner-up logit was pushed down, as rounding can: its gap is wide, the target's
-    is not."""
-    model.save_pretrained(tmp_path)
+@pytest.fixture
+def rounded(model, tmp_path):
+    """A bf16 target saved in its folder, its float32 upcast (the exact reference), and a run
+    model whose runner-up logit was pushed down as rounding can: (folder, exact, run, prompt,
+    reference tokens, runner-up, worst)."""
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    half.save_pretrained(tmp_path)  # bf16 on disk: float32 only when the recheck asks for it
+    exact = copy.deepcopy(half).float()
     prompt = [3, 17, 42, 5]
-    ref = greedy(model, prompt, 1)
-    exact = ranked_logits(model, prompt)
-    runner_up, worst = exact.argsort(descending=True)[1].item(), exact.argmin().item()
-    run = copy.deepcopy(model)
+    ref = greedy(exact, prompt, 1)
+    logits = ranked_logits(exact, prompt)
+    runner_up, worst = logits.argsort(descending=True)[1].item(), logits.argmin().item()
+    run = copy.deepcopy(half)
     with torch.no_grad():  # the runner-up scores as the worst token does: a wide gap
         run.lm_head.weight[runner_up] = run.lm_head.weight[worst]
-    run = run.to(torch.bfloat16)
+    return tmp_path, logits, run, prompt, ref, runner_up, worst
+
+
+def test_a_bf16_gap_past_the_margin_is_measured_again_in_float32(rounded):
+    """The judging forward rounds in bf16 too (2026-12-05: a gap of 1.0 on an H100, exact in
+    float32). A gap past the margin is measured again by the target loaded in float32 from its
+    folder, and judged by that; a token the target clearly did not pick stays a bug."""
+    folder, exact, run, prompt, ref, runner_up, worst = rounded
     tie = divergence(run, "tie", prompt, ref, [runner_up])
     bug = divergence(run, "bug", prompt, ref, [worst])
-    g32 = {d: (exact[ref[0]] - exact[t]).item() for d, t in (("tie", runner_up), ("bug", worst))}
+    again = divergence(run, "tie", prompt, ref, [runner_up])  # another method, same place
+    g32 = {"tie": (exact[ref[0]] - exact[runner_up]).item()}
+    g32["bug"] = (exact[ref[0]] - exact[worst]).item()
     margin = (g32["tie"] + g32["bug"]) / 2
     assert beyond(tie, margin) and beyond(bug, margin)  # in the run's own dtype: both fail
     assert judge([tie], exact=False, margin=margin)[1] != []
-    recheck_in_float32(tmp_path, [(tie, prompt), (bug, prompt)])
+    recheck_in_float32(folder, [(tie, prompt), (bug, prompt), (again, prompt)], run.device)
     assert tie.gap_float32 == pytest.approx(g32["tie"], abs=1e-4)
     assert bug.gap_float32 == pytest.approx(g32["bug"], abs=1e-4)
+    assert again.gap_float32 == tie.gap_float32
     ties, real = judge([tie, bug], exact=False, margin=margin)
     assert [d["prompt"] for d in ties] == ["tie"] and [d["prompt"] for d in real] == ["bug"]
     assert judge([tie], exact=True, margin=margin)[0] == []  # float32 runs: no forgiveness
+
+
+def test_the_stage_check_rechecks_in_float32_and_fails_only_on_a_real_mismatch(rounded, tmp_path):
+    """eval's lossless check end to end: a bf16 divergence past the margin that float32 puts
+    within it is a near tie in the record; one past it in float32 too fails the stage, with its
+    evidence written beside the output."""
+    from types import SimpleNamespace
+
+    from dflash.errors import UserError
+    from dflash.eval.decode import Generation
+    from dflash.eval.run import _check_lossless
+
+    folder, exact, run, prompt, ref, runner_up, worst = rounded
+    margin = ((exact[ref[0]] - exact[runner_up]) + (exact[ref[0]] - exact[worst])).item() / 2
+    setup = SimpleNamespace(
+        model=run, embed=run.get_input_embeddings(), dtype=torch.bfloat16, target_path=folder,
+        prompts=[SimpleNamespace(id="p0")], encoded=[prompt],
+        config={"eval": {"tie_margin": margin}},
+    )  # fmt: skip
+    output = tmp_path / "out" / "acceptance.json"
+    output.parent.mkdir()
+    record: dict = {}
+    gens = {"target": [Generation(ref)], "drafter": [Generation([runner_up])]}
+    _check_lossless(setup, gens, record, output)
+    (tie,) = record["near_ties"]["drafter"]
+    assert tie["gap"] > margin >= tie["gap_float32"]
+    gens["drafter"] = [Generation([worst])]
+    with pytest.raises(UserError, match="differs from the target's greedy output"):
+        _check_lossless(setup, gens, {}, output)
+    assert output.with_suffix(".failed.json").is_file()

@@ -11,8 +11,8 @@ between the token the reference chose and the one the speculative loop chose. Wi
 on an H100 in bf16, a tree's divergence at a digit 193 tokens into a GSM8K answer measured a
 gap of 1.0 and failed the run, while the same prompt and drafter were exact in float32. So a
 reduced-precision gap beyond the margin is measured once more by the target in float32
-(`recheck_in_float32`); within the margin there it is a near tie. Beyond it in float32 too, the
-loop committed a token the target clearly did not pick, which is a bug whatever the dtype.
+(`recheck_in_float32`) and judged by that gap. Beyond the margin in float32 too, the loop
+committed a token the target clearly did not pick, which is a bug whatever the dtype.
 """
 
 from __future__ import annotations
@@ -66,32 +66,42 @@ def beyond(d: Divergence, margin: float) -> bool:
     return d.gap is not None and abs(d.gap) > margin
 
 
-def recheck_in_float32(target: Path, checks: list[tuple[Divergence, list[int]]]) -> None:
+def recheck_in_float32(
+    target: Path, checks: list[tuple[Divergence, list[int]]], device: torch.device
+) -> None:
     """Each divergence's gap measured again by the target loaded in float32 from its folder
-    (`gap_float32`; the context is the prompt and the shared prefix). The copy goes on the GPU
-    when it fits in what is free there, else in host memory: it is needed only for the rare gap
-    that the run's own dtype put past the margin."""
+    (`gap_float32`; the context is the prompt and the shared prefix), one forward per distinct
+    (context, tokens) however many methods parted there. The copy goes on the run's GPU
+    (`device`) when it fits in what is free there, else in host memory: it is needed only for
+    the rare gap that the run's own dtype put past the margin."""
     from transformers import AutoModelForCausalLM
 
     if not checks:
         return
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    need = 1.25 * sum(p.numel() for p in model.parameters()) * 4
-    if torch.cuda.is_available() and torch.cuda.mem_get_info()[0] > need:
-        model = model.cuda()
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        need = 1.25 * 4 * sum(p.numel() for p in model.parameters())
+        if torch.cuda.mem_get_info(device)[0] > need:
+            model = model.to(device)
+    gaps: dict[tuple, float] = {}
     for d, context in checks:
-        d.gap_float32 = round(logit_gap(model, context, d.reference, d.speculative), 4)
+        key = (tuple(context), d.reference, d.speculative)
+        if key not in gaps:
+            gaps[key] = round(logit_gap(model, context, d.reference, d.speculative), 4)
+        d.gap_float32 = gaps[key]
     del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copy's memory back before the stage reports its peak
 
 
 def judge(divergences: list[Divergence], exact: bool, margin: float) -> tuple[list, list]:
     """(near ties, real mismatches) as dicts. `exact` (float32): every divergence is real.
-    Otherwise a divergence is a near tie when its gap, or its float32 gap where rechecked, is
-    within the margin."""
+    Otherwise a divergence is a near tie when its gap is within the margin: the float32 gap
+    where it was measured (the truer one), else the run's own."""
     ties, real = [], []
     for d in divergences:
-        gaps = [g for g in (d.gap, d.gap_float32) if g is not None]
-        near = not exact and any(abs(g) <= margin for g in gaps)
+        gap = d.gap_float32 if d.gap_float32 is not None else d.gap
+        near = not exact and gap is not None and abs(gap) <= margin
         (ties if near else real).append(asdict(d))
     return ties, real

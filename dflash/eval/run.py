@@ -133,9 +133,8 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
     exact = setup.dtype == torch.float32
     margin = setup.config["eval"]["tie_margin"]
     if not exact:  # a gap past the margin in bf16 is measured again in float32
-        recheck_in_float32(
-            setup.target_path, [c for cs in found.values() for c in cs if beyond(c[0], margin)]
-        )
+        checks = [c for cs in found.values() for c in cs if beyond(c[0], margin)]
+        recheck_in_float32(setup.target_path, checks, setup.embed.weight.device)
     found = {name: [d for d, _ in cs] for name, cs in found.items()}
     judged = {name: judge(ds, exact, margin) for name, ds in found.items()}
     record["dtype"] = str(setup.dtype).removeprefix("torch.")
