@@ -2,6 +2,7 @@
 a near tie is rounding in reduced precision, anything else (or anything in float32) is a bug."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -136,4 +137,7 @@ def test_the_stage_check_rechecks_in_float32_and_fails_only_on_a_real_mismatch(r
     gens["drafter"] = [Generation([worst])]
     with pytest.raises(UserError, match="differs from the target's greedy output"):
         _check_lossless(setup, gens, {}, output)
-    assert output.with_suffix(".failed.json").is_file()
+    (evidence,) = json.loads(output.with_suffix(".failed.json").read_text())["mismatches"][
+        "drafter"
+    ]
+    assert evidence["speculative"] == worst and evidence["context"] == prompt

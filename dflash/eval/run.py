@@ -127,7 +127,9 @@ def _divergences(setup: Setup, reference: list[Generation], gens: list[Generatio
 
 def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> None:
     """Fail on any output that differs from the target's greedy one, except (outside float32) a
-    divergence that starts at a near tie; those are listed in the record as `near_ties`."""
+    divergence that starts at a near tie; those are listed in the record as `near_ties`. A
+    failure's evidence (`<output>.failed.json`) holds each mismatch's tokens up to it, so its
+    gap can be measured again anywhere."""
     failed = output.with_suffix(".failed.json")
     found = {name: _divergences(setup, gens["target"], gs) for name, gs in gens.items()}
     exact = setup.dtype == torch.float32
@@ -135,6 +137,8 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
     if not exact:  # a gap past the margin in bf16 is measured again in float32
         checks = [c for cs in found.values() for c in cs if beyond(c[0], margin)]
         recheck_in_float32(setup.target_path, checks, setup.embed.weight.device)
+    # each divergence's tokens up to it (prompt and shared prefix), kept in a failure's evidence
+    contexts = {(name, d.prompt): c for name, cs in found.items() for d, c in cs}
     found = {name: [d for d, _ in cs] for name, cs in found.items()}
     judged = {name: judge(ds, exact, margin) for name, ds in found.items()}
     record["dtype"] = str(setup.dtype).removeprefix("torch.")
@@ -152,7 +156,8 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
                 record["near_ties"],
             )
         return
-    write_json(failed, record | {"mismatches": bad})
+    evidence = {n: [m | {"context": contexts[n, m["prompt"]]} for m in ms] for n, ms in bad.items()}
+    write_json(failed, record | {"mismatches": evidence})
     raise UserError(
         f"speculative output differs from the target's greedy output ({record['dtype']}; "
         f"first differing token and the target's logit gap there): {bad}"
