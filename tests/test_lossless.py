@@ -141,3 +141,19 @@ def test_the_stage_check_rechecks_in_float32_and_fails_only_on_a_real_mismatch(r
         "drafter"
     ]
     assert evidence["speculative"] == worst and evidence["context"] == prompt
+
+
+def test_without_host_memory_for_a_float32_copy_the_runs_own_gap_judges(
+    rounded, monkeypatch, caplog
+):
+    """The float32 copy needs 4 bytes a parameter in host memory: where that is not available the
+    recheck says so and leaves the divergence to its own gap (a failure), never a crash."""
+    import dflash.model.memory
+
+    folder, exact, run, prompt, ref, runner_up, worst = rounded
+    tie = divergence(run, "tie", prompt, ref, [runner_up])
+    monkeypatch.setattr(dflash.model.memory, "host_available", lambda: 1000)
+    with caplog.at_level("WARNING"):
+        recheck_in_float32(folder, [(tie, prompt)], run.device)
+    assert tie.gap_float32 is None
+    assert "not measured again in float32" in caplog.text and "host memory" in caplog.text

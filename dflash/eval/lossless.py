@@ -17,10 +17,13 @@ committed a token the target clearly did not pick, which is a bug whatever the d
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,13 +79,24 @@ def recheck_in_float32(
     the rare gap that the run's own dtype put past the margin."""
     from transformers import AutoModelForCausalLM
 
+    from dflash.model.memory import gpu_memory, host_available, weight_count
+
     if not checks:
+        return
+    need = 1.25 * 4 * weight_count(target)  # loaded in host memory first, then moved
+    if host_available() < need:
+        log.warning(
+            "%d divergences past the margin not measured again in float32: the target needs "
+            "%.1f GB of host memory, %.1f GB available; the run's own gaps judge them",
+            len(checks),
+            need / 1e9,
+            host_available() / 1e9,
+        )
         return
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        need = 1.25 * 4 * sum(p.numel() for p in model.parameters())
-        if torch.cuda.mem_get_info(device)[0] > need:
+        if gpu_memory(device)[0] > need:
             model = model.to(device)
     gaps: dict[tuple, float] = {}
     for d, context in checks:

@@ -34,6 +34,20 @@ def weight_count(model_dir: str | Path) -> int:
     return count
 
 
+def host_available() -> int:
+    """Bytes of host memory the kernel says a new allocation can have (MemAvailable); on a
+    system without /proc/meminfo, the free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def gpu_memory(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device."""
     return torch.cuda.mem_get_info(device)
