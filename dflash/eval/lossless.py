@@ -84,13 +84,14 @@ def recheck_in_float32(
     if not checks:
         return
     need = 1.25 * 4 * weight_count(target)  # loaded in host memory first, then moved
-    if host_available() < need:
+    have = host_available()
+    if have < need:
         log.warning(
             "%d divergences past the margin not measured again in float32: the target needs "
             "%.1f GB of host memory, %.1f GB available; the run's own gaps judge them",
             len(checks),
             need / 1e9,
-            host_available() / 1e9,
+            have / 1e9,
         )
         return
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -35,17 +35,11 @@ def weight_count(model_dir: str | Path) -> int:
 
 
 def host_available() -> int:
-    """Bytes of host memory the kernel says a new allocation can have (MemAvailable); on a
-    system without /proc/meminfo, the free pages."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    """Bytes of host memory a new allocation can have (psutil's `available`: MemAvailable on
+    Linux)."""
+    import psutil
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return psutil.virtual_memory().available
 
 
 def gpu_memory(device: torch.device) -> tuple[int, int]:
