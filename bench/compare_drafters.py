@@ -10,8 +10,10 @@ drafter, and the raw per-prompt record.
         --drafter before=drafters/run-1 --drafter after=results/drafter
 
 `run.yaml`: the run's config files merged, with `eval: {device: cpu, dtype: float32}` for the
-CPU. 2026-12-05: three drafters, 7 prompts of each of the recipe's sets, 48 minutes on 2 cores
-(BENCHMARKS.md, "γ 14 and drafter.init").
+CPU. 2026-12-05 its predecessor (the same library calls) decoded three drafters on 7 prompts of
+each of the recipe's sets in 48 minutes on 2 cores (BENCHMARKS.md, "γ 14 and drafter.init").
+In bf16 it refuses to run: outputs part from the target's at near ties, and the pairs would
+compare different texts.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def group(row: dict) -> str:
 
 
 def table(rows: list[dict], methods: list[str]) -> str:
-    """τ macro by set, and each drafter's paired difference from the first (mean ± s.e.)."""
+    """τ macro by set, and each drafter's paired difference from the first (mean ± s.e., each
+    prompt counted alone: a question's two MT-Bench turns are not independent). Prompts that
+    some method ended without a round (an answer of one token) are left out, as the eval does."""
+    rows = [r for r in rows if all(m["tau"] is not None for m in r["methods"].values())]
     groups = {}
     for row in rows:
         groups.setdefault(group(row), []).append(row)
@@ -66,6 +71,13 @@ def table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
+def dump(record: dict) -> str:
+    """JSON with one prompt a line: small enough to keep in bench/results, still diffable."""
+    head = {key: value for key, value in record.items() if key != "prompts"}
+    rows = ",\n".join(json.dumps(row, separators=(",", ":")) for row in record["prompts"])
+    return json.dumps(head, indent=1)[:-2] + ',\n "prompts": [\n' + rows + "\n ]\n}\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, required=True, help="the run's merged config")
@@ -77,9 +89,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="per-prompt record (JSON)")
     args = p.parse_args()
 
+    names = [spec.partition("=")[0] for spec in args.drafter]
+    if any("=" not in spec for spec in args.drafter) or len(args.drafter) < 2:
+        sys.exit("--drafter NAME=DIR, given twice or more")
+    if len(set(names)) < len(names) or {"target", "lookup"} & set(names):
+        sys.exit(f"drafter names must differ from each other and from target, lookup: {names}")
     config = load_config(args.config)
     device = resolve_device(config["eval"]["device"])
     dtype = resolve_dtype(config["eval"]["dtype"], device)
+    if dtype != torch.float32:
+        # in bf16 most outputs part from the target's own at near ties, and then the drafters
+        # are compared on different texts
+        sys.exit(f"eval.dtype resolves to {dtype}: set eval: {{dtype: float32}} for a paired A/B")
     max_new = config["eval"]["max_new_tokens"]
     model = load_target(args.target, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
@@ -101,6 +122,8 @@ def main() -> None:
     for prompt in eval_prompts(config, args.held_out):
         by_set.setdefault(prompt.set_name, []).append(prompt)
     wanted = args.sets.split(",") if args.sets else list(by_set)
+    if unknown := set(wanted) - set(by_set):
+        sys.exit(f"--sets: {sorted(unknown)} not among the config's sets {sorted(by_set)}")
     pending = [prompt for s in wanted for prompt in by_set[s][: args.per_set]]
     record = {
         "device": str(device),
@@ -133,7 +156,7 @@ def main() -> None:
                 answer = tokenizer.decode(reference.tokens, skip_special_tokens=True)
                 pending.insert(0, prompt.followup(answer))
     record["wall_s"] = round(time.perf_counter() - t0, 1)
-    args.out.write_text(json.dumps(record, indent=1))
+    args.out.write_text(dump(record))
     rows = record["prompts"]
     broken = [(r["id"], n) for r in rows for n, m in r["methods"].items() if not m["lossless"]]
     print(table(rows, [*drafters, "lookup"]))

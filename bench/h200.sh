@@ -24,7 +24,8 @@
 #                                         # e.g. a run's tokenized training rows: .carrydata from
 #                                         # bench/carrydata.sh) into results/: bench/stages.sh
 #                                         # then skips the stages whose outputs they are
-# A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b).
+# A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b, or
+# head/tail as bench/h200-carry.sh cuts the target's), joined in name order.
 # 2026-12-01, 5 calls: install (.whl, 60 MiB), stage (smollm2 part a + ShareGPT), stage (parts b,
 # c + MT-Bench), sqlalchemy (Snakemake needs it; it did not fit in .whl), then start + wait.
 set -euo pipefail
