@@ -1,44 +1,46 @@
 #!/usr/bin/env bash
-# Issue 34's own drafter.init case in one device session (bench/h200-init-chat.yaml): the
-# chat-only recipe's drafter trained on the box, then fine-tuned onto the mixture's carried rows.
+# Issue 34's own drafter.init case in one device session, with no regeneration: a chat drafter
+# trained first on the ShareGPT rows of the math-mixture run's carried training split (.carrysg:
+# 10,349 of its 19,286 rows, the chat-only recipe's source without CodeI/O, GSM8K and MATH),
+# then fine-tuned from it onto the whole split (.carrydata) with bench/h200-init-chat.yaml.
+# Both use the mixture's config, so held-out tau_sim is taken on the same 40 rows as the
+# from-random run's (bench/results/2026-12-05-h100-domains-math.json).
 # After `install` (carry .whl), `stage .carry2c` and `stage .carry3c`, one call each:
-#   bash bench/h200-init-chat.sh chat 560       # carry .carry4c: stage it, start the chat run, wait
-#   bash bench/h200-init-chat.sh finetune 590   # carry .carrydata; again until the run ends
-# `finetune` waits for the chat run; once it has ended it brings the chat drafter back under
-# $OUT/chat, starts the fine-tune from /tmp/drafter-chat (the same target, not converted again)
-# and waits for it. Called again, it only waits.
+#   bash bench/h200-init-chat.sh chat 560       # carry .carry4c .carrysg: start the chat run, wait
+#   bash bench/h200-init-chat.sh finetune 560   # carry .carrydata; again until the run ends
+# `finetune` waits for the chat run; once it has ended it brings the chat run back under
+# $OUT/chat, keeps its drafter in /tmp/drafter-chat, puts the whole split in its place and
+# starts the fine-tune (target, expand and the eval split reused). Called again, it only waits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=bench/h200.sh
+CONFIGS=config/h200.yaml,config/h200-domains.yaml,bench/h200-no-vllm.yaml
 t0=$SECONDS
-left() { echo $(($2 - (SECONDS - t0))); }
+left() { echo $(($1 - (SECONDS - t0))); }
 
 case $1 in
 chat)
   bash $H stage .carry4c
-  SPLITS="train eval" bash $H stages config/h200.yaml,bench/h200-no-vllm.yaml \
-    target expand regenerate tokenize stats train
-  bash $H wait "$(left x "$2")"
+  bash $H unpack .carrysg
+  SPLITS=eval bash $H stages $CONFIGS target expand regenerate tokenize stats train
+  bash $H wait "$(left "$2")"
   ;;
 finetune)
   if [ ! -d /tmp/drafter-chat ]; then
     bash $H wait "$2"
     if pgrep -f bench/stages.sh > /dev/null; then exit 0; fi # the chat run goes on: call again
-    if [ ! -e /tmp/dflash-results/train/summary.json ]; then
+    R=/tmp/dflash-results
+    if [ ! -e $R/train/summary.json ]; then
       echo "the chat run ended without a trained drafter" >&2
       exit 1
     fi
     mkdir -p "$OUT/chat" && mv "$OUT"/results.tgz "$OUT"/drafter* "$OUT/chat/"
-    cp -r /tmp/dflash-results/drafter /tmp/drafter-chat
-    mv /tmp/dflash-results /tmp/chat
-    if [ -L results ]; then rm results; fi
-    bash $H unpack .carrydata
-    mv /tmp/chat/target results/target # the same target: its conversion is reused
-    SPLITS=eval bash $H stages \
-      config/h200.yaml,config/h200-domains.yaml,bench/h200-no-vllm.yaml,bench/h200-init-chat.yaml \
-      target expand regenerate tokenize stats train eval
+    cp -r $R/drafter /tmp/drafter-chat
+    mkdir -p /tmp/chat && mv $R/drafter $R/train $R/checkpoints $R/data/stats $R/logs /tmp/chat/
+    mkdir -p $R/logs && cat .carrydata/data.tar.part-* | tar x -C $R # the whole split
+    SPLITS=eval bash $H stages $CONFIGS,bench/h200-init-chat.yaml stats train eval
   fi
-  bash $H wait "$(left x "$2")"
+  bash $H wait "$(left "$2")"
   ;;
 *)
   echo "usage: $0 chat|finetune SECONDS" >&2
