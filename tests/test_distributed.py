@@ -371,6 +371,8 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
     assert set(record["time_s"]) == {"wait", "features", "forward", "backward", "optimizer"}
     summary = json.loads((runs[(2, 1)] / "summary.json").read_text())
     assert summary["bottleneck"] in {"targets", "drafters"} and summary["bottleneck_factor"] >= 1
+    # the run's optimizer steps, not the steady ones its rates average (the first left out)
+    assert summary["steps"] == records[-1]["step"] == summary["rate_steps"] + 1
     colocated = json.loads((runs[(0, 2)] / "summary.json").read_text())
     assert colocated["bottleneck"] == "colocated"
 

@@ -158,7 +158,9 @@ def step_record(windows: list[dict], topology, metrics: list[dict]) -> dict:
 def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
     """Which role limited the run and by how much, from the per-step records.
 
-    The first step is left out when there are others: it carries start-up and compilation.
+    The rates leave the first step out when there are others: it carries start-up and
+    compilation. `steps` is the run's last optimizer step (a resumed run's count from its
+    start), `rate_steps` how many steps the rates average.
     """
     steady = records[1:] if len(records) > 1 else records
     if not steady:
@@ -174,7 +176,8 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
         _rate(tok, wall - wait) for tok, wall, wait in zip(tokens, walls, waited, strict=True)
     )
     summary = {
-        "steps": len(steady),
+        "steps": records[-1].get("step", len(records)),
+        "rate_steps": len(steady),
         "topology": topology,
         "tokens_per_s": round(statistics.fmean(r["tokens_per_s"] for r in steady), 1),
         "drafter_capacity_tokens_per_s": round(drafter_capacity, 1),
