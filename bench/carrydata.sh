@@ -6,14 +6,23 @@
 # device-minutes saved; the A/B of a training change sees no regeneration variance):
 #   bash bench/carrydata.sh /work/.device/7/train.parquet /tmp/r/data/tokenized/train.report.json
 #   # on the box: bash bench/h200.sh unpack .carrydata && SPLITS=eval bash bench/h200.sh stages ...
+# With $SOURCE and $EXPANDED (the run's results/data/expanded/train.parquet) only the rows of that
+# source are kept, into $DIR (default .carrydata); bench/h200-init-chat.sh's chat drafter:
+#   SOURCE=sharegpt EXPANDED=/tmp/r/data/expanded/train.parquet DIR=.carrysg bash bench/carrydata.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.carry\*/' .git/info/exclude 2>/dev/null || echo '/.carry*/' >> .git/info/exclude
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/data/tokenized"
-cp "$1" "$tmp/data/tokenized/train.parquet"
-cp "$2" "$tmp/data/tokenized/train.report.json"
-rm -rf .carrydata && mkdir .carrydata
-tar cf - -C "$tmp" data | split -b 60000000 - .carrydata/data.tar.part-
-echo ".carrydata: train.parquet $(sha256sum < "$1" | cut -c1-16)... $(du -sh .carrydata | cut -f1)"
+DIR=${DIR:-.carrydata}
+out=$tmp/data/tokenized/train.parquet
+if [ -n "${SOURCE:-}" ]; then
+  python3 bench/carry_source.py "$1" "$2" "$EXPANDED" "$SOURCE" "$out"
+else
+  cp "$1" "$out"
+  cp "$2" "$tmp/data/tokenized/train.report.json"
+fi
+rm -rf "$DIR" && mkdir "$DIR"
+tar cf - -C "$tmp" data | split -b 60000000 - "$DIR/data.tar.part-"
+echo "$DIR: train.parquet $(sha256sum < "$out" | cut -c1-16)... $(du -sh "$DIR" | cut -f1)"

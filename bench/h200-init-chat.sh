@@ -5,6 +5,9 @@
 # then fine-tuned from it onto the whole split (.carrydata) with bench/h200-init-chat.yaml.
 # Both use the mixture's config, so held-out tau_sim is taken on the same 40 rows as the
 # from-random run's (bench/results/2026-12-05-h100-domains-math.json).
+# .carrysg from the split (and the same config's expand, on any machine: no GPU needed):
+#   SOURCE=sharegpt EXPANDED=results/data/expanded/train.parquet DIR=.carrysg \
+#     bash bench/carrydata.sh train.parquet train.report.json
 # After `install` (carry .whl), `stage .carry2c` and `stage .carry3c`, one call each:
 #   bash bench/h200-init-chat.sh chat 560       # carry .carry4c .carrysg: start the chat run, wait
 #   bash bench/h200-init-chat.sh finetune 560   # carry .carrydata; again until the run ends
