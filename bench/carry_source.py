@@ -17,10 +17,17 @@ def main(rows: str, report: str, expanded: str, source: str, out: str) -> None:
     if kept.is_empty():
         sys.exit(f"{expanded}: no row of source {source!r} among the ids of {rows}")
     kept.write_parquet(out)
-    meta = json.loads(Path(report).read_text()) | {"rows_out": kept.height, "source_only": source}
+    # the tokenize stage's counts are the whole split's
+    meta = {
+        "rows_out": kept.height,
+        "source_only": source,
+        "whole_split": json.loads(Path(report).read_text()),
+    }
     Path(out).with_suffix(".report.json").write_text(json.dumps(meta, indent=2))
     print(f"{source}: {kept.height} rows, {kept['trainable'].sum()} trainable tokens")
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 6:
+        sys.exit(__doc__)
     main(*sys.argv[1:])

@@ -16,9 +16,11 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/data/tokenized"
 DIR=${DIR:-.carrydata}
+case $DIR in .carry*) ;; *) echo "DIR must be a .carry* folder (git ignores those): $DIR" >&2 && exit 2 ;; esac
 out=$tmp/data/tokenized/train.parquet
 if [ -n "${SOURCE:-}" ]; then
-  python3 bench/carry_source.py "$1" "$2" "$EXPANDED" "$SOURCE" "$out"
+  "${PYTHON:-.venv/bin/python}" bench/carry_source.py "$1" "$2" \
+    "${EXPANDED:?EXPANDED: the run results/data/expanded/train.parquet}" "$SOURCE" "$out"
 else
   cp "$1" "$out"
   cp "$2" "$tmp/data/tokenized/train.report.json"
