@@ -159,8 +159,9 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
     """Which role limited the run and by how much, from the per-step records.
 
     The rates leave the run's first step out when there are others: it carries start-up and
-    compilation (a resumed run's first step after the resume is counted). `steps` is the run's last optimizer step (a resumed run's count from its
-    start), `rate_steps` how many steps the rates average.
+    compilation (a resumed run's first step after the resume is counted). `steps` is the run's
+    last optimizer step (a resumed run's count from its start), `rate_steps` how many steps the
+    rates average.
     """
     steady = records[1:] if len(records) > 1 else records
     if not steady:
