@@ -89,11 +89,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="per-prompt record (JSON)")
     args = p.parse_args()
 
-    names = [spec.partition("=")[0] for spec in args.drafter]
-    if any("=" not in spec for spec in args.drafter) or len(args.drafter) < 2:
+    specs = [spec.partition("=") for spec in args.drafter]
+    names = [name for name, _, _ in specs]
+    if any(not sep for _, sep, _ in specs) or len(specs) < 2:
         sys.exit("--drafter NAME=DIR, given twice or more")
     if len(set(names)) < len(names) or {"target", "lookup"} & set(names):
         sys.exit(f"drafter names must differ from each other and from target, lookup: {names}")
+    paths = {name: path for name, _, path in specs}
     config = load_config(args.config)
     device = resolve_device(config["eval"]["device"])
     dtype = resolve_dtype(config["eval"]["dtype"], device)
@@ -105,10 +107,9 @@ def main() -> None:
     model = load_target(args.target, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     stop = eos_ids(args.target, tokenizer)
-    drafters = {}
-    for spec in args.drafter:
-        name, _, path = spec.partition("=")
-        drafters[name] = load_drafter(path, dtype=dtype, device=device).eval()
+    drafters = {
+        name: load_drafter(path, dtype=dtype, device=device).eval() for name, path in paths.items()
+    }
     shapes = {(tuple(d.config.target_layer_ids), d.config.block_size) for d in drafters.values()}
     if len(shapes) != 1:
         sys.exit(f"the drafters read different target layers or block sizes: {sorted(shapes)}")
@@ -130,7 +131,7 @@ def main() -> None:
         "dtype": str(dtype),
         "torch": torch.__version__,
         "max_new_tokens": max_new,
-        "drafters": {spec.partition("=")[0]: spec.partition("=")[2] for spec in args.drafter},
+        "drafters": paths,
         "prompts": [],
     }
     t0 = time.perf_counter()
