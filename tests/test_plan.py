@@ -266,7 +266,7 @@ def run_folder(tmp_path) -> Path:
     stats = length_stats(frame, [512, 1024, 2048], 2048, 16384, 64)
     write(r / "data/stats/stats.json", json.dumps(stats))
     gpu = {"gpus": {"count": 1, "models": ["NVIDIA H200"], "driver": "580.159.04"}}
-    train_params = {  # the config subset the train rule passes (dflash.stages.TRAINING_CONFIG)
+    train_params = {  # the keys training's outputs depend on (dflash.stages), as its manifest has them
         "seed": 0,
         "target": {"mask_token_id": 3},
         "drafter": {"num_layers": 5, "block_size": 16, "max_anchors": 96},
@@ -279,7 +279,8 @@ def run_folder(tmp_path) -> Path:
         r / "manifests/train.json",
         json.dumps({"stage": "train", "params": train_params, "environment": gpu}),
     )
-    regen_params = {"batch_size": 1024, "max_new_tokens": 512, "engine": "auto"}
+    regenerate = {"batch_size": 1024, "max_new_tokens": 512, "engine": "auto"}
+    regen_params = {"data": {"regenerate": regenerate, "max_length": 2048}, "shard": 0, "shards": 1}
     write(r / "manifests/regenerate_train_0.json",
           json.dumps({"stage": "regenerate", "params": regen_params, "environment": gpu}))  # fmt: skip
     step = {"loss": 5.0, "tau": 2.0, "acc": [0.5], "tokens_per_s": 300000.0,
