@@ -48,8 +48,8 @@ def stage(summary: dict, name: str) -> dict:
 
 def test_presets_match_their_bench_configs_and_published_parameter_counts():
     for name, path in (
-        ("qwen3-8b", "bench/qwen3-8b-config"),
-        ("smollm2-135m", "bench/configs/smollm2-135m"),
+        ("qwen3-8b", "config/models/qwen3-8b"),
+        ("smollm2-135m", "config/models/smollm2-135m"),
     ):
         cfg = json.loads((REPO / path / "config.json").read_text())
         assert Shape.from_config(cfg, path) == Shape.from_config(PRESETS[name], name)
@@ -259,7 +259,7 @@ def run_folder(tmp_path) -> Path:
     target = "../resources/target/SmolLM2-135M-Instruct-Q8_0-0123456789ab"
     write(
         r / target / "hf/config.json",
-        (REPO / "bench/configs/smollm2-135m/config.json").read_text(),
+        (REPO / "config/models/smollm2-135m/config.json").read_text(),
     )
     write(r / "MANIFEST.json", json.dumps({"inputs": {"target": {"path": target, "sha256": {}}}}))
     frame = pl.DataFrame({"length": [1000, 1200, 800, 1400], "trainable": [800, 1000, 600, 1200]})

@@ -1,7 +1,7 @@
-"""Keep one source's rows of a tokenized split (bench/carrydata.sh with $SOURCE): the source of a
+"""Keep one source's rows of a tokenized split (tools/gpu-box/carrydata.sh with $SOURCE): the source of a
 row comes from the expand stage's split, joined by row id.
 
-    python3 bench/carry_source.py ROWS REPORT EXPANDED SOURCE OUT
+    python3 tools/gpu-box/carry_source.py ROWS REPORT EXPANDED SOURCE OUT
 """
 
 import json

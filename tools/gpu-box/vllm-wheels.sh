@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Downloads the wheel set with which vLLM 0.24.0 served a DFlash drafter on the GPU machine's image
 # (torch 2.11.0, Python 3.12), into DIR, then splits it into parts under 60 MB for carrying:
-#   bash bench/vllm-wheels.sh DIR      # DIR/parts/vllm-bundle.tar.part-aa, -ab, ...
-# (the team's tools/vllm-wheels.sh, kept here so a clone can stage vLLM; bench/h200-carry.sh runs it)
+#   bash tools/gpu-box/vllm-wheels.sh DIR      # DIR/parts/vllm-bundle.tar.part-aa, -ab, ...
+# (tools/gpu-box/h200-carry.sh runs it with VLLM=1)
 # On the GPU machine: cat the parts, tar x, pip install --no-deps --target SITE wheels/*.whl.
 # Pins follow vLLM 0.24.0's own requirements where newer releases broke it there (openai 3.x
 # needs httpx2; xgrammar 0.2.9 needs a newer apache-tvm-ffi than 0.24.0's 0.1.9; fastapi >= 0.137

@@ -1,38 +1,38 @@
 #!/usr/bin/env bash
 # `snakemake all` on a lent GPU box without network, over several calls of at most 10 minutes
 # (what a call leaves in /tmp and in the ignored results/ folder stays while the box is warm):
-#   bash bench/h200.sh install            # wheels carried in .whl/ -> /tmp/site
-#   bash bench/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
-#   bash bench/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
-#   bash bench/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
-#   bash bench/h200.sh start8b DIR        # the 8B rehearsal: DIR (.carry8b) staged, then start
+#   bash tools/gpu-box/h200.sh install            # wheels carried in .whl/ -> /tmp/site
+#   bash tools/gpu-box/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
+#   bash tools/gpu-box/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
+#   bash tools/gpu-box/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
+#   bash tools/gpu-box/h200.sh start8b DIR        # the 8B rehearsal: DIR (.carry8b) staged, then start
 #                                         # config/rehearsal-8b.yaml, GPU memory and disk sampled
-#   bash bench/h200.sh start CONFIG...    # cache, then snakemake all --keep-going with the config
+#   bash tools/gpu-box/h200.sh start CONFIG...    # cache, then snakemake all --keep-going with the config
 #                                         # files, later over earlier (or the targets in $TARGETS;
 #                                         # $PRIORITIZE: a file Snakemake makes first)
 #                                         # under setsid (a killed run is unlocked and resumed),
 #                                         # from a copy of the tree in /tmp/dflash-src
-#   bash bench/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
-#   bash bench/h200.sh stages CONFIG[,CONFIG...] STAGE...  # bench/stages.sh in the background,
+#   bash tools/gpu-box/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
+#   bash tools/gpu-box/h200.sh stages CONFIG[,CONFIG...] STAGE...  # tools/gpu-box/stages.sh in the background,
 #                                         # as `start` runs Snakemake; several config files are
 #                                         # merged as --configfile merges them ($DRAFTER: a trained
 #                                         # drafter to evaluate, $SPLITS: the splits to regenerate)
-#   bash bench/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
+#   bash tools/gpu-box/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
 #                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
 #                                         # finds vLLM from its next job on, its other packages kept
-#   bash bench/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
+#   bash tools/gpu-box/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
 #                                         # e.g. a run's tokenized training rows: .carrydata from
-#                                         # bench/carrydata.sh) into results/: bench/stages.sh
+#                                         # tools/gpu-box/carrydata.sh) into results/: tools/gpu-box/stages.sh
 #                                         # then skips the stages whose outputs they are
 # A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b, or
-# head/tail as bench/h200-carry.sh cuts the target's), joined in name order.
+# head/tail as tools/gpu-box/h200-carry.sh cuts the target's), joined in name order.
 # 2026-12-01, 5 calls: install (.whl, 60 MiB), stage (smollm2 part a + ShareGPT), stage (parts b,
 # c + MT-Bench), sqlalchemy (Snakemake needs it; it did not fit in .whl), then start + wait.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD:/tmp/vllm-site PYTHONUNBUFFERED=1
 RUN=/tmp/dflash-run
-RUNNING="snakemake --cores|bench/stages.sh"  # what `wait` waits for
+RUNNING="snakemake --cores|gpu-box/stages.sh"  # what `wait` waits for
 mkdir -p "$RUN" /tmp/stage
 
 # The run reads its own copy of the tree: the device tool copies the working tree afresh at every
@@ -78,7 +78,7 @@ install)
   ;;
 probe)  # CONFIG's compile warmup on random weights, in the background: step times per bucket
   # shape before the run starts, and a warm compile cache for it
-  setsid nohup python3 -m dflash warmup --config "$2" --target bench/configs/smollm2-135m \
+  setsid nohup python3 -m dflash warmup --config "$2" --target config/models/smollm2-135m \
     --record "$RUN/probe.json" --cache-dir results/compile-cache > "$RUN/probe.log" 2>&1 < /dev/null &
   ;;
 stage)
@@ -125,13 +125,13 @@ start)
   setsid nohup "${SMK[@]}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "snakemake started: $RUN/snakemake.log"
   ;;
-stages)  # bench/stages.sh CONFIG STAGE... in the background from the tree's copy, for a drafter
+stages)  # tools/gpu-box/stages.sh CONFIG STAGE... in the background from the tree's copy, for a drafter
   # already trained: $DRAFTER (an exported drafter's folder, e.g. under .carryinit) is copied to
   # results/drafter first, and only $SPLITS (default: train eval) are regenerated and tokenized
   refuse_if_running
   copy_tree
   if [ -n "${DRAFTER:-}" ]; then mkdir -p results/drafter && cp "$DRAFTER"/* results/drafter/; fi
-  # after `start`, the target Snakemake converted (resources/) is bench/stages.sh's target too,
+  # after `start`, the target Snakemake converted (resources/) is tools/gpu-box/stages.sh's target too,
   # when it is the only one there (with two, which one CONFIG names is not guessed)
   converted=(/tmp/dflash-state/resources/target/*/hf)
   if [ ${#converted[@]} -eq 1 ] && [ -d "${converted[0]}" ] && [ ! -e results/target/hf ]; then
@@ -147,10 +147,10 @@ config = {}
 for path in sys.argv[2].split(","): update_config(config, yaml.safe_load(open(path)))
 yaml.safe_dump(config, open(sys.argv[1], "w"))' "$RUN/config.yaml" "$2"
   echo "start $(date +%s)" >> "$RUN/events"
-  setsid nohup bash bench/stages.sh "$RUN/config.yaml" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
-  echo "bench/stages.sh started: $RUN/snakemake.log"
+  setsid nohup bash tools/gpu-box/stages.sh "$RUN/config.yaml" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
+  echo "tools/gpu-box/stages.sh started: $RUN/snakemake.log"
   ;;
-vllm)  # the vLLM bundle carried in parts (../shared/tools/vllm-wheels.sh DIR, then `stage` each
+vllm)  # the vLLM bundle carried in parts (tools/gpu-box/vllm-wheels.sh DIR, then `stage` each
   # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
   cat /tmp/stage/vllm-bundle.tar.part-* | tar x -C /tmp/stage && rm /tmp/stage/vllm-bundle.tar.part-*
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

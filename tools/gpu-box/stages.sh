@@ -3,7 +3,7 @@
 # lent GPU box): each stage is skipped when its output exists, so rerunning the same command
 # resumes (regeneration per batch, training per checkpoint). Single process: the config's
 # topology must be colocated with one drafter. The rules in workflow/rules/ are the reference.
-#   bash bench/stages.sh config/h200.yaml results [stage ...]
+#   bash tools/gpu-box/stages.sh config/h200.yaml results [stage ...]
 # Stages: target expand regenerate tokenize stats train eval ddtree vllm (default: all of them
 # but vllm, which needs vLLM installed). $SPLITS: the splits to regenerate and tokenize (default:
 # train eval; `eval` alone for a drafter trained elsewhere, placed in results/drafter).
