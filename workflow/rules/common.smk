@@ -14,6 +14,8 @@ from snakemake.logging import logger
 
 from dflash.config import expand_user
 from dflash.custody import damaged, pending, quarantine
+from dflash.errors import UserError
+from dflash.record import read_record
 from dflash.custody import rel as custody_rel
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
@@ -333,5 +335,16 @@ def check_custody():
                 f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
                 f" {custody_rel(moved)}, it is made again before anything reads it:"
                 f" {'; '.join(reasons)}"
+            )
+        # the run record itself (no stage manifest holds it): one cut short or emptied is
+        # moved aside too, so that the command `verify` advises writes it again
+        record = Path(R, "MANIFEST.json")
+        try:
+            if record.is_file():
+                read_record(record, "dflash")
+        except UserError as e:
+            moved = quarantine(record, Path(R))
+            logger.warning(
+                f"dflash: moved to {custody_rel(moved)}; the record rule writes it again: {e}"
             )
     return pending(outputs, Path(R))
