@@ -168,3 +168,30 @@ def test_the_gpu_box_scripts_parse_edit_no_git_metadata_and_name_no_machine_of_o
         assert not re.search(r"(^|[\s\"'=(])/work/", text, flags=re.M), script.name  # ours
         assert "bench/h200" not in text and "bench/stages" not in text, script.name
     assert "/.carry*/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_readme_tree_names_every_folder_of_the_repository_and_the_package():
+    readme = (REPO / "README.md").read_text()
+    tree = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    named, parent = set(), ""
+    for line in tree.splitlines():
+        if not line.strip():
+            continue
+        name = line.split()[0].rstrip("/")
+        if line.startswith("  "):
+            name = f"{parent}/{name}"
+        else:
+            parent = name
+        named |= {"/".join(name.split("/")[: i + 1]) for i in range(name.count("/") + 1)}
+    for name in named:
+        assert (REPO / name).is_dir(), f"README's layout names {name}/, which does not exist"
+    listed = subprocess_lines(["git", "-C", str(REPO), "ls-files"])
+    folders = {p.split("/")[0] for p in listed if "/" in p and not p.startswith(".")}
+    folders |= {f"dflash/{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders - {"resources"} <= named, folders - named
+
+
+def subprocess_lines(cmd: list[str]) -> list[str]:
+    import subprocess
+
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
