@@ -1,29 +1,28 @@
 #!/usr/bin/env bash
 # `snakemake all` on a lent GPU box without network, over several calls of at most 10 minutes
-# (what a call leaves in /tmp and in the ignored results/ folder stays while the box is warm):
-#   bash tools/gpu-box/h200.sh install            # wheels carried in .whl/ -> /tmp/site
-#   bash tools/gpu-box/h200.sh probe CONFIG       # CONFIG's compile warmup in the background (step times)
-#   bash tools/gpu-box/h200.sh stage DIR          # pinned wheels (or parts of one) carried in DIR -> /tmp/stage
-#   bash tools/gpu-box/h200.sh cache              # the staged wheels (parts joined) into the wheel cache
-#   bash tools/gpu-box/h200.sh start8b DIR        # the 8B rehearsal: DIR (.carry8b) staged, then start
-#                                         # config/rehearsal-8b.yaml, GPU memory and disk sampled
-#   bash tools/gpu-box/h200.sh start CONFIG...    # cache, then snakemake all --keep-going with the config
-#                                         # files, later over earlier (or the targets in $TARGETS;
-#                                         # $PRIORITIZE: a file Snakemake makes first)
-#                                         # under setsid (a killed run is unlocked and resumed),
-#                                         # from a copy of the tree in /tmp/dflash-src
-#   bash tools/gpu-box/h200.sh wait SECONDS       # progress until the run ends or SECONDS pass; results to $OUT
-#   bash tools/gpu-box/h200.sh stages CONFIG[,CONFIG...] STAGE...  # tools/gpu-box/stages.sh in the background,
-#                                         # as `start` runs Snakemake; several config files are
-#                                         # merged as --configfile merges them ($DRAFTER: a trained
-#                                         # drafter to evaluate, $SPLITS: the splits to regenerate)
-#   bash tools/gpu-box/h200.sh vllm               # the staged vLLM bundle's parts joined and installed in
-#                                         # /tmp/vllm-site, last on PYTHONPATH: a run already going
-#                                         # finds vLLM from its next job on, its other packages kept
-#   bash tools/gpu-box/h200.sh unpack DIR         # results/ files brought back earlier (DIR/data.tar.part-*,
-#                                         # e.g. a run's tokenized training rows: .carrydata from
-#                                         # tools/gpu-box/carrydata.sh) into results/: tools/gpu-box/stages.sh
-#                                         # then skips the stages whose outputs they are
+# (what a call leaves in /tmp and in the ignored results/ folder stays while the box is warm).
+# From the repository root, `bash tools/gpu-box/h200.sh SUBCOMMAND ...`:
+#   install             wheels carried in .whl/ -> /tmp/site
+#   probe CONFIG        CONFIG's compile warmup in the background (step times)
+#   stage DIR           pinned wheels (or parts of one) carried in DIR -> /tmp/stage
+#   cache               the staged wheels (parts joined) into the wheel cache
+#   start8b DIR         the 8B rehearsal: DIR (.carry8b) staged, then start
+#                       config/rehearsal-8b.yaml, GPU memory and disk sampled
+#   start CONFIG...     cache, then snakemake all --keep-going with the config files, later over
+#                       earlier (or the targets in $TARGETS; $PRIORITIZE: a file Snakemake makes
+#                       first) under setsid (a killed run is unlocked and resumed), from a copy of
+#                       the tree in /tmp/dflash-src
+#   wait SECONDS        progress until the run ends or SECONDS pass; results to $OUT
+#   stages CONFIG[,CONFIG...] STAGE...
+#                       tools/gpu-box/stages.sh in the background, as `start` runs Snakemake;
+#                       several config files are merged as --configfile merges them ($DRAFTER: a
+#                       trained drafter to evaluate, $SPLITS: the splits to regenerate)
+#   vllm                the staged vLLM bundle's parts joined and installed in /tmp/vllm-site,
+#                       last on PYTHONPATH: a run already going finds vLLM from its next job on,
+#                       its other packages kept
+#   unpack DIR          results/ files brought back earlier (DIR/data.tar.part-*, e.g. a run's
+#                       tokenized training rows: .carrydata from tools/gpu-box/carrydata.sh) into
+#                       results/: tools/gpu-box/stages.sh then skips the stages whose outputs they are
 # A wheel too large for one call travels as NAME.whl.part-a, NAME.whl.part-b, ... (split -b, or
 # head/tail as tools/gpu-box/h200-carry.sh cuts the target's), joined in name order.
 # 2026-12-01, 5 calls: install (.whl, 60 MiB), stage (smollm2 part a + ShareGPT), stage (parts b,
