@@ -345,6 +345,6 @@ def check_custody():
         except UserError as e:
             moved = quarantine(record, Path(R))
             logger.warning(
-                f"dflash: moved to {custody_rel(moved)}; the record rule writes it again: {e}"
+                f"dflash: moved to {custody_rel(moved)}, to be written again by `record`. {e}"
             )
     return pending(outputs, Path(R))
