@@ -23,6 +23,7 @@ RUN_ORDER = [
     "train",
     "eval",
     "ddtree",
+    "sample-eval",
     "eval-vllm",
     "report",
     "record",

@@ -106,8 +106,8 @@ def test_the_mask_token_is_the_configured_one_or_the_tokenizers_and_must_fit(tar
     from dflash.errors import UserError
 
     assert resolve_mask_token(target_dir, 3) == 3
-    # a configured id needs no tokenizer (bench/configs: a config.json alone, random weights)
-    config_only = Path(__file__).resolve().parents[1] / "bench/configs/smollm2-135m"
+    # a configured id needs no tokenizer (config/models: a config.json alone, random weights)
+    config_only = Path(__file__).resolve().parents[1] / "config/models/smollm2-135m"
     assert resolve_mask_token(config_only, 3) == 3
     with pytest.raises(UserError, match=r"has no mask token: .* special tokens: 0 '<\|endoftext"):
         resolve_mask_token(target_dir, None)  # SmolLM2's tokenizer has none

@@ -34,7 +34,7 @@ from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.gpus import claim_gpu
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
-from dflash.manifest import code_hash, environment_hash, write_manifest
+from dflash.manifest import code_hash, environment_hash
 from dflash.model.decoder import supports_static
 from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token, peak_memory_gb
 from dflash.model.sampling import Sampling, serving_mode
@@ -297,30 +297,14 @@ def merge_shards(input_path: Path, shard_files: list[Path], output: Path) -> Non
         frame.sort("_pos").drop("_pos").write_parquet(tmp, statistics=False)
 
 
-def run(args) -> None:
+def run(args) -> dict:
     params = dict(args.config["data"]["regenerate"])
     torch.manual_seed(0)
     rate = regenerate_shard(args, params, args.config["data"]["max_length"])
-    if args.manifest:
-        resolved = {k: rate[k] for k in ("engine", "dtype")}  # what `auto` chose here
-        shard = {"shard": args.shard, "shards": args.shards}
-        write_manifest(
-            args.manifest,
-            "regenerate",
-            {"input": args.input},
-            {"output": args.output},
-            params={**params, **shard, "resolved": resolved, "mode": serving_mode(args.config)},
-            code=(__name__,),
-        )
+    # the manifest records what `auto` chose here, and the mode the answers were made in
+    resolved = {k: rate[k] for k in ("engine", "dtype")}
+    return {"params": {"resolved": resolved, "mode": serving_mode(args.config)}}
 
 
 def run_merge(args) -> None:
     merge_shards(args.input, args.shard_files, args.output)
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "merge_shards",
-            {"input": args.input},
-            {"output": args.output},
-            code=(__name__,),
-        )

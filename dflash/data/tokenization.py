@@ -17,7 +17,6 @@ import polars as pl
 from dflash.data.bounded import encode_bounded
 from dflash.data.sources import DataError
 from dflash.io import atomic_path, write_json
-from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ def _tokenizer(path: str, auto):
     return _TOKENIZERS[path]
 
 
-def run(args) -> None:
+def run(args) -> dict | None:
     data_cfg = args.config["data"]
     frame = pl.read_parquet(args.input)
     if frame.height == 0:
@@ -205,12 +204,4 @@ def run(args) -> None:
     report_path = args.output.with_suffix(".report.json")
     write_json(report_path, report)
     log.info("tokenize: %s", report)
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "tokenize",
-            {"input": args.input, "target": args.target},
-            {"output": args.output, "report": report_path},
-            params={"max_length": data_cfg["max_length"], "chat_template_kwargs": template},
-            code=(__name__,),
-        )
+    return {"outputs": {"report": report_path}}

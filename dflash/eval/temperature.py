@@ -32,7 +32,6 @@ from dflash.eval.run import chain_methods, summarize, tree_methods
 from dflash.eval.setup import Setup
 from dflash.eval.verify import Sampled
 from dflash.io import read_json, write_json
-from dflash.manifest import write_manifest
 from dflash.model.memory import peak_memory_gb
 from dflash.model.sampling import Sampling
 from dflash.model.tau_sim import response_spans, tau_macro
@@ -44,7 +43,8 @@ PROBABILISTIC = "drafter/probabilistic"
 
 
 def run(args) -> None:
-    """results/eval/sampling.json: every temperature's figures."""
+    """results/eval/sampling.json: every temperature's figures (its manifest is the
+    registry's, dflash.stages)."""
     cfg = args.config["eval"]["sampling"]
     setup = Setup(args, cfg["max_prompts"])
     greedy = greedy_taus(read_json(args.acceptance))
@@ -70,11 +70,6 @@ def run(args) -> None:
         **setup.sha,
     }
     write_json(args.output, record)
-    if args.manifest:
-        inputs = {"drafter": args.drafter, "held_out": args.held_out, "acceptance": args.acceptance}
-        inputs |= {"ddtree": args.ddtree} if args.ddtree else {}
-        write_manifest(args.manifest, args.command, inputs, {"output": args.output},
-                       params=args.config, code=(__name__,))  # fmt: skip
     log.info("peak GPU memory: %s GB", peak_memory_gb())
 
 

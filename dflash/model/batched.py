@@ -117,7 +117,7 @@ class BatchedGreedy:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.sampling = sampling or Sampling()
-        self.keys = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's stream
+        self.streams = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's key
         self.graphs = CudaGraphs(self.device)
         self.pieces = StepPieces(self.device, compiled)
         # two page-locked buffers, so a step's tokens copy to the host while the next one runs
@@ -165,7 +165,7 @@ class BatchedGreedy:
         inputs = tuple(t.to(self.device) for t in inputs)
         (first,) = self.graphs(("prefill",), fn, *inputs)
         m, targets, lengths = len(prompts), targets.to(self.device), lengths.to(self.device)
-        self.keys[targets[:m]] = inputs[-1][:m]
+        self.streams[targets[:m]] = inputs[-1][:m]
         self.tokens[targets[:m]] = first[:m]
         self.positions[targets[:m]] = lengths[:m]
         return first[:m].tolist()
@@ -297,4 +297,4 @@ class BatchedGreedy:
                 )
             x = self.pieces.mlp(layer, x, out.reshape(self.batch, 1, -1))
         logits = self.model.lm_head(self.decoder.norm(x))[:, 0]
-        return (keyed_sample(logits, self.sampling, self.keys, positions + 1),)
+        return (keyed_sample(logits, self.sampling, self.streams, positions + 1),)

@@ -9,39 +9,21 @@ import shutil
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 from snakemake.logging import logger
 
-from dflash.config import (
-    check_paths,
-    check_sources,
-    expand_user,
-    validate as dflash_validate,
-)
+from dflash.config import expand_user
 from dflash.custody import damaged, pending, quarantine
-from dflash.custody import rel as custody_rel
 from dflash.errors import UserError
+from dflash.record import read_record
+from dflash.custody import rel as custody_rel
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
 from dflash import locks
-from dflash.manifest import code_hash, environment_hash
-from dflash.model.start import init_identity, init_path, read_config
-
-# snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
-# A user's mistake is reported as Snakemake reports its own (the message and where, no
-# traceback), before any job: a path that does not exist, a key the schema refuses.
-try:
-    check_paths(dflash_validate(config, "workflow config"), "the workflow config")
-    check_sources(config, "the workflow config")
-except UserError as e:
-    raise WorkflowError(str(e)) from None
-
-# Locks left by a run killed outright stop the next start with Snakemake's LockException,
-# whose advice (--unlock) is wrong while the other run is alive: say which it is, first.
-if workflow.is_main_process and (note := locks.explain()):
-    logger.warning(note)
+from dflash import stages
+from dflash.manifest import code_files, environment_hash
+from dflash.model.start import init_identity, init_path
 
 
 onstart:
@@ -87,42 +69,51 @@ def content_hash(path):
     return digest
 
 
-def environment_bin():
-    """The bin folder of the Python running Snakemake, whose `python` must be that Python."""
-    folder = os.path.dirname(sys.executable)
-    python = os.path.join(folder, "python")
-    if not (os.path.exists(python) and os.path.samefile(python, sys.executable)):
-        raise WorkflowError(
-            f"{python} is not the Python running Snakemake ({sys.executable}), which the rules"
-            " call as `python`: run Snakemake from a virtual environment (scripts/setup.sh)"
-        )
-    return folder
-
-
 # Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
 # (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
-# jobs' PATH, which srun passes on to every node. Not a param: where the environment lives is no
-# reason to rerun, what it holds is (ENV_HASH).
+# jobs' PATH, which srun passes on to every node (dflash.preflight checked that its `python` is
+# this Python). Not a param: where the environment lives is no reason to rerun, what it holds is
+# (ENV_HASH).
 shell.prefix(
-    f'set -euo pipefail; export PATH={shlex.quote(environment_bin())}:"$PATH"; '
+    f'set -euo pipefail; export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; '
 )
 
 
-def config_json(*paths):
-    """JSON of the named config keys ("data.regenerate", "seed", ...), nested as in the config.
+def passed(value):
+    """A param the shell command reads that is no rerun trigger: Snakemake tracks every param
+    but those derived from a job's input or output, so it is given as a function of the output.
+    For the config a stage reads (keys that change no output among them) and for places (caches,
+    resume state, the target's folder, which enters the triggers by its content)."""
 
-    Passed to the CLI as --config and used as a rule param, so a rule reruns exactly when a key
-    it reads changes, and the standalone CLI sees the same values as the workflow.
+    def param(wildcards, output):
+        return value
+
+    return param
+
+
+def stage_config(rule):
+    """The --config of a rule's stage: the keys it reads (dflash/stages), nested as in the
+    config. Passed on, not a trigger: the keys its outputs depend on are (`triggers`).
     """
-    subset = {}
-    for path in paths:
-        keys = path.split(".")
-        src, dst = config, subset
-        for key in keys[:-1]:
-            src = src[key]
-            dst = dst.setdefault(key, {})
-        dst[keys[-1]] = src[keys[-1]]
-    return param_json(subset)
+    return passed(json.dumps(stages.by_rule(rule).passed(config), sort_keys=True))
+
+
+def triggers(rule, files=None):
+    """A rule's rerun triggers, one param each, so that a dry run's reason names what changed:
+    every config key its stage's outputs depend on ("train.lr=0.0006", dflash/stages), every
+    source file of its code ("code dflash/train/loop.py <sha256>": Snakemake cannot see
+    imported modules), the installed environment (nor pip upgrades), and the files in `files`
+    (name -> sha256, or name -> {path: sha256}) by content."""
+    stage = stages.by_rule(rule)
+    found = {f"{k}={param_json(v)}" for k, v in stage.depends(config).items()}
+    found |= {f"code {p} {d}" for p, d in code_files(*stage.modules).items()}
+    found.add(f"environment {ENV_HASH}")
+    for name, digest in (files or {}).items():
+        if isinstance(digest, dict):
+            found |= {f"{name} {p} {d}" for p, d in digest.items()}
+        elif digest is not None:
+            found.add(f"{name} {digest}")
+    return {f"trigger{i}": t for i, t in enumerate(sorted(found))}
 
 
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -192,37 +183,8 @@ def target_input():
     return ancient(path) if path else f"{TARGET_DIR}/manifest.json"
 
 
-if config["target"]["path"]:
-    # No rule builds a user's own target, so its facts are checked here, before any job runs
-    # (the target rule checks those it builds), or a missing mask token would
-    # surface only once training starts, after regeneration.
-    from dflash.model.target import resolve_mask_token
-
-    try:
-        resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
-    except UserError as e:
-        raise WorkflowError(str(e)) from None
-
-
-# An exported drafter to start from (drafter.init: <path>), checked before any job runs: that it
-# is one, that it is not the drafter this run writes (training would rewrite its own start, and
-# its new hash would rerun training forever), and, for a user's target, that it fits the run.
+# An exported drafter to start from (drafter.init: <path>), checked by dflash.preflight.
 INIT = init_path(config["drafter"]["init"])
-if INIT is not None:
-    try:
-        if os.path.realpath(INIT) == os.path.realpath(DRAFTER):
-            raise UserError(
-                f"drafter.init: {INIT} is the drafter this run writes, rewritten by every"
-                f" training: copy it out of {R}/ first (cp -r {DRAFTER} drafters/previous) and"
-                " start from the copy"
-            )
-        read_config(INIT)
-        if config["target"]["path"]:
-            from dflash.train.features import drafter_config
-
-            drafter_config(config, config["target"]["path"])
-    except UserError as e:
-        raise WorkflowError(str(e)) from None
 
 
 def init_identity_param():
@@ -294,13 +256,15 @@ def eval_inputs():
     }
 
 
-def eval_set_hashes():
-    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
-    return {
+def eval_files():
+    """What the decoding rules read by content: local benchmark files (replacing one reruns the
+    evaluation) and a user's target."""
+    sets = {
         s["path"]: content_hash(s["path"])
         for s in config["eval"]["sets"]
         if s.get("path")
     }
+    return {"eval.sets": sets, "target.path": target_fingerprint()}
 
 
 # record.smk, included last: these read the other rules' outputs
@@ -373,5 +337,16 @@ def check_custody():
                 f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
                 f" {custody_rel(moved)}, it is made again before anything reads it:"
                 f" {'; '.join(reasons)}"
+            )
+        # the run record itself (no stage manifest holds it): one cut short or emptied is
+        # moved aside too, so that the command `verify` advises writes it again
+        record = Path(R, "MANIFEST.json")
+        try:
+            if record.is_file():
+                read_record(record, "dflash")
+        except UserError as e:
+            moved = quarantine(record, Path(R))
+            logger.warning(
+                f"dflash: moved to {custody_rel(moved)}, to be written again by `record`. {e}"
             )
     return pending(outputs, Path(R))

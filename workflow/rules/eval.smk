@@ -2,23 +2,6 @@
 # baselines, DDTree, and the report a person reads first (results/summary.md).
 
 
-# cache_dir: where eval sets given as pinned wheels are fetched to.
-VLLM_CONFIG = config_json(
-    "seed", "drafter", "eval", "cache_dir", "data.chat_template_kwargs"
-)
-# eval_acceptance and eval_ddtree do not read eval.vllm: changing it reruns eval_vllm alone
-# eval_acceptance and eval_ddtree read neither eval.vllm nor eval.sampling: changing those reruns
-# their own stages alone
-EVAL_CONFIG = json.dumps(
-    {
-        **json.loads(VLLM_CONFIG),
-        "eval": {
-            k: v for k, v in config["eval"].items() if k not in ("vllm", "sampling")
-        },
-    },
-    sort_keys=True,
-)
-EVAL_CODE = code_hash("dflash.eval.run")
 # the evaluation at temperature, where eval.sampling names temperatures
 WITH_SAMPLING = bool(config["eval"]["sampling"]["temperatures"])
 # vLLM serves the drafter where it is installed on a GPU host (eval.vllm.enabled: auto), or always
@@ -45,13 +28,10 @@ rule eval_acceptance:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=EVAL_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_acceptance", eval_files()),
+        config=stage_config("eval_acceptance"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=EVAL_CODE,
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash eval --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
@@ -72,13 +52,10 @@ rule eval_ddtree:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=EVAL_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_ddtree", eval_files()),
+        config=stage_config("eval_ddtree"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=EVAL_CODE,
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash ddtree --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
@@ -103,16 +80,13 @@ rule eval_sampling:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=VLLM_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_sampling", eval_files()),
+        config=stage_config("eval_sampling"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
         ddtree=lambda wildcards, input: (
             f" --ddtree {input.ddtree[0]}" if input.ddtree else ""
         ),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=code_hash("dflash.eval.temperature"),
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash sample-eval --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
@@ -137,13 +111,10 @@ rule eval_vllm:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=VLLM_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_vllm", eval_files()),
+        config=stage_config("eval_vllm"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=code_hash("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
-        env=ENV_HASH,
+        target=passed(TARGET),
         sampling=lambda wildcards, input: (
             f" --sampling {input.sampling[0]}" if input.sampling else ""
         ),
@@ -167,18 +138,18 @@ rule report:
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
+        manifest=f"{R}/manifests/report.json",
     log:
         f"{R}/logs/report.log",
     params:
+        **triggers("report"),
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
         sampling=lambda wildcards, input: (
             f" --sampling {input.sampling[0]}" if input.sampling else ""
         ),
-        code=code_hash("dflash.eval.report"),
-        env=ENV_HASH,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
         " --ddtree {input.ddtree}{params.vllm}{params.sampling} --summary {output.summary}"
-        " --plots {params.plots} > {log} 2>&1"
+        " --plots {params.plots} --manifest {output.manifest} > {log} 2>&1"
