@@ -117,6 +117,27 @@ def check_sources(config: dict, source: str = "config") -> dict:
     return config
 
 
+def check_levers(config: dict, source: str = "config") -> dict:
+    """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
+    together, before any job: D-PACE with distillation or a gamma."""
+    d, t = config.get("drafter") or {}, config.get("train") or {}
+    wrong = []
+    if d.get("loss") == "dpace":
+        if t.get("distill"):
+            wrong.append(
+                f"drafter.loss: dpace weighs hard labels, so train.distill must be 0 "
+                f"(it is {t['distill']})"
+            )
+        if d.get("gamma") is not None:
+            wrong.append(
+                f"drafter.gamma ({d['gamma']}) is the decayed loss's; with drafter.loss: dpace "
+                f"leave it null"
+            )
+    if wrong:
+        raise ConfigError(f"{source}: {'; '.join(wrong)}")
+    return config
+
+
 def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import check_levers
 from dflash.errors import UserError
 from dflash.host import HostMonitor, process_age_s
 from dflash.io import sha256_file
@@ -19,7 +20,13 @@ from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter
 from dflash.model.objective import default_gamma
 from dflash.model.start import init_identity, initialise
-from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
+from dflash.model.step import (
+    TrainStep,
+    dpace_settings,
+    feature_width,
+    resolve_attention,
+    run_shapes,
+)
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
 from dflash.train import comm
@@ -65,6 +72,7 @@ class Trainer:
         held_out: Path | None = None,
     ):
         self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
+        check_levers(config)
         self.writer = BackgroundCheckpoints()
         t, d, data = config["train"], config["drafter"], config["data"]
         self.topo = ctx.topology
@@ -104,6 +112,7 @@ class Trainer:
             wrap=self._ddp if self.ddp else None,
             distill=t["distill"],
             copy_weight=d["copy_anchor_weight"],
+            dpace=dpace_settings(d),
         )
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
@@ -143,6 +152,7 @@ class Trainer:
                 if d["copy_anchor_weight"] != 1.0
                 else {}
             ),
+            **({"loss": {"name": d["loss"], **d["dpace"]}} if d["loss"] != "decayed" else {}),
             # The training code itself (the train rule's code param): resuming a run with other
             # code would silently mix two runs, or re-export a finished one.
             "code": code_hash(*TRAINING_CODE),

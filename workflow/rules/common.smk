@@ -14,6 +14,7 @@ from snakemake.io import is_flagged
 from snakemake.logging import logger
 
 from dflash.config import (
+    check_levers,
     check_paths,
     check_sources,
     expand_user,
@@ -35,6 +36,7 @@ from dflash.model.start import init_identity, init_path, read_config
 try:
     check_paths(dflash_validate(config, "workflow config"), "the workflow config")
     check_sources(config, "the workflow config")
+    check_levers(config, "the workflow config")
 except UserError as e:
     raise WorkflowError(str(e)) from None
 
