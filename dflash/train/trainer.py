@@ -1,5 +1,5 @@
-"""A drafter rank: the DFlash step under DDP, AdamW with a cosine schedule, checkpoints, and one
-logged line per optimizer step (live metrics, TensorBoard, tau_sim)."""
+"""A drafter rank: the DFlash step under DDP, the optimiser and its schedule (`optim.py`),
+checkpoints, and one logged line per optimizer step (live metrics, TensorBoard, tau_sim)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dflash.model.step import (
 )
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
-from dflash.train import comm
+from dflash.train import comm, optim
 from dflash.train.batches import batch_generator
 from dflash.train.board import Board
 from dflash.train.checkpoint import BackgroundCheckpoints, load_state
@@ -45,18 +45,6 @@ from dflash.train.runs import Trace, keep_metrics_upto, resume_point
 from dflash.train.telemetry import Window, node_gpu_uuids, step_record, watch_syncs
 
 log = logging.getLogger(__name__)
-
-
-def cosine_with_warmup(total_steps: int, warmup_ratio: float):
-    warmup = max(1, round(total_steps * warmup_ratio))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 class Trainer:
@@ -98,6 +86,8 @@ class Trainer:
         with torch.device(self.device):
             self.drafter = Drafter(self.dcfg)
         log.info(initialise(self.drafter, d["init"], target_dir))
+        if frozen := optim.freeze_layers(self.drafter, config):  # before DDP wraps the drafter
+            log.info("frozen (train.finetune.freeze_layers): %s", ", ".join(frozen))
         gamma = d["gamma"] or default_gamma(d["block_size"])
         self.ddp = ctx.drafter_group is not None
         self.step_fn = TrainStep(
@@ -114,13 +104,6 @@ class Trainer:
             copy_weight=d["copy_anchor_weight"],
             dpace=dpace_settings(d),
         )
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=t["lr"],
-            weight_decay=t["weight_decay"],
-            betas=(0.9, 0.95),
-            fused=self.device.type == "cuda",
-        )
         per_rank = self.topo.usable(len(batches.plan(0))) // self.topo.drafters
         if per_rank == 0:
             raise UserError(
@@ -128,8 +111,8 @@ class Trainer:
                 f"({self.topo.drafters}): use more data or fewer drafters"
             )
         self.total_steps = t["epochs"] * math.ceil(per_rank / t["grad_accum"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(self.total_steps, t["warmup_ratio"])
+        self.optimizer, self.scheduler = optim.build(
+            self.drafter, config, self.total_steps, self.device
         )
         self.contract = {
             "drafter": self.dcfg.to_hf(),
@@ -153,6 +136,7 @@ class Trainer:
                 else {}
             ),
             **({"loss": {"name": d["loss"], **d["dpace"]}} if d["loss"] != "decayed" else {}),
+            **optim.contract(config),
             # The training code itself (the train rule's code param): resuming a run with other
             # code would silently mix two runs, or re-export a finished one.
             "code": code_hash(*TRAINING_CODE),
