@@ -296,3 +296,16 @@ def test_a_utf16_file_cut_mid_character_names_the_file(tmp_path):
     path.write_bytes(json.dumps(conv("q", "a")).encode("utf-16")[:-1])
     with pytest.raises(UserError, match=r"rows.jsonl: starts with a UTF-16 byte-order mark"):
         collect(data_config(path), tmp_path)
+
+
+def test_a_training_fraction_keeps_a_prefix_so_a_quarter_is_part_of_the_half():
+    from dflash.data.expand import first_rows
+
+    rows = [{"id": str(i)} for i in range(20)]
+    quarter, half = first_rows(rows, None, 0.25), first_rows(rows, None, 0.5)
+    assert [len(quarter), len(half)] == [5, 10] and half[:5] == quarter == rows[:5]
+    assert first_rows(rows, None, 1.0) == rows
+    assert first_rows(rows, 8, 0.5) == rows[:4]  # of data.train_rows' rows
+    assert first_rows(rows[:2], None, 0.1) == rows[:1]  # never none
+    with pytest.raises(ValueError, match="data.train_fraction"):
+        validate({"data": {"train_fraction": 0}})

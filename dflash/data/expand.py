@@ -189,6 +189,18 @@ def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | 
     return train, held_out, overlap
 
 
+def first_rows(train: list[dict], count: int | None, fraction: float) -> list[dict]:
+    """The training rows kept: the first `count` (data.train_rows) of the shuffled rows, then the
+    first `fraction` of those (data.train_fraction, at least one row). A smaller fraction keeps a
+    prefix of a larger one's rows: a quarter of the data is part of the half (issue 57's τ
+    against compute trains the same recipe on both)."""
+    if count is not None:
+        train = train[:count]
+    if fraction < 1.0:
+        train = train[: max(1, round(len(train) * fraction))]
+    return train
+
+
 def write_rows(rows: list[dict], path: Path) -> None:
     schema = {"id": pl.String, "source": pl.String, "domain": pl.String}
     frame = pl.DataFrame(rows, schema={**schema, "conversations": CONVERSATION})
@@ -224,8 +236,7 @@ def run(args) -> None:
             )
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
-    if data_cfg["train_rows"] is not None:
-        train = train[: data_cfg["train_rows"]]
+    train = first_rows(train, data_cfg["train_rows"], data_cfg["train_fraction"])
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
     dropped, repaired = Counter(), Counter()

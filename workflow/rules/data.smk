@@ -40,6 +40,7 @@ rule expand_dataset:
             "data.max_chars",
             "data.domain_rows",
             "data.train_rows",
+            "data.train_fraction",
             "data.eval_rows",
         ),
         local_sources=local_source_hashes(),
