@@ -259,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="MANIFEST.json or results folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.compare:run")
+
+    p = sub.add_parser(
+        "compute-curve",
+        help="τ against training tokens over several runs: a table and a plot",
+        description="Read each results folder's metrics (tau_sim against training tokens), "
+        "evaluation (real τ) and data report; write compute_curve.md, .png and .json.",
+    )
+    p.add_argument("runs", nargs="+", type=Path, help="results folders, e.g. one per data size")
+    p.add_argument("--name", action="append", help="a label per run, in order (default: folder)")
+    p.add_argument("--out", type=Path, default=Path("compute-curve"), help="output folder")
+    p.set_defaults(stage="dflash.eval.compute_curve:run")
     p = _add(
         sub,
         "random-target",
