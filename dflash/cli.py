@@ -195,8 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, required=True, help="ddtree.json to write")
     p.set_defaults(stage="dflash.eval.run:run_ddtree", reads=("target", "drafter", "held_out"))
 
+    p = _add_decoding(sub, "sample-eval", "the evaluation's methods again at each temperature")
+    p.add_argument("--tokenized", type=Path, required=True, help="tokenized eval split")
+    p.add_argument("--acceptance", type=Path, required=True, help="eval's acceptance.json")
+    p.add_argument("--ddtree", type=Path, help="ddtree's ddtree.json (the trees at temperature)")
+    p.add_argument("--output", type=Path, required=True, help="sampling.json to write")
+    p.set_defaults(
+        stage="dflash.eval.temperature:run",
+        reads=("target", "drafter", "held_out", "tokenized", "acceptance"),
+    )
+
     p = _add_decoding(sub, "eval-vllm", "the drafter served by vLLM's DFlash method, beside eval")
     p.add_argument("--acceptance", type=Path, required=True, help="eval's acceptance.json")
+    p.add_argument("--sampling", type=Path, help="sample-eval's sampling.json (at temperature)")
     p.add_argument("--output", type=Path, required=True, help="vllm.json to write")
     p.set_defaults(
         stage="dflash.eval.vllm_stage:run", reads=("target", "drafter", "held_out", "acceptance")
@@ -217,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p.add_argument(f"--{name}", type=Path, required=True, help=what)
     p.add_argument("--vllm", type=Path, help="eval_vllm's vllm.json, where that stage ran")
+    p.add_argument("--sampling", type=Path, help="eval_sampling's sampling.json, where it ran")
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
     p.set_defaults(

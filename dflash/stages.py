@@ -17,4 +17,12 @@ TRAINING_CONFIG = (
     "data.max_length",
     "data.token_budget",
     "data.max_batch_size",
+    # the mode the training answers were made in, recorded in the drafter's config.json
+    "data.regenerate.temperature",
+    "data.regenerate.top_p",
+    "data.regenerate.top_k",
+    "data.chat_template_kwargs",
+    # tau_sim at train.tau_sim.temperatures takes the evaluation's top-p and top-k
+    "eval.sampling.top_p",
+    "eval.sampling.top_k",
 )

@@ -22,14 +22,20 @@ from dflash.manifest import write_manifest
 log = logging.getLogger(__name__)
 
 
-def _render(tokenizer, turns, generation_prompt=False) -> str:
+def _render(tokenizer, turns, generation_prompt=False, template=None) -> str:
+    """The conversation as text; `template`: extra chat-template arguments (e.g. Qwen3's
+    enable_thinking, `data.chat_template_kwargs`), as regeneration rendered its prompts."""
     return tokenizer.apply_chat_template(
-        turns, tokenize=False, add_generation_prompt=generation_prompt
+        turns, tokenize=False, add_generation_prompt=generation_prompt, **(template or {})
     )
 
 
 def assistant_spans(
-    tokenizer, turns: list[dict], truncated: set[int], generation_prompt: bool = False
+    tokenizer,
+    turns: list[dict],
+    truncated: set[int],
+    generation_prompt: bool = False,
+    template: dict | None = None,
 ) -> tuple[str, list]:
     """The rendered text and the [start, end) character span of each assistant turn.
 
@@ -40,11 +46,11 @@ def assistant_spans(
     its end is found in the full render, as the turn's final words followed by the end-of-turn
     text, the last such place before the next assistant turn's prompt.
     """
-    full = _render(tokenizer, turns, generation_prompt)
+    full = _render(tokenizer, turns, generation_prompt, template)
     starts = {}
     for i, turn in enumerate(turns):
         if turn["role"] == "assistant":
-            prefix = _render(tokenizer, turns[:i], generation_prompt=True)
+            prefix = _render(tokenizer, turns[:i], generation_prompt=True, template=template)
             if not full.startswith(prefix):
                 raise DataError(
                     f"turn {i}: the chat template renders earlier turns differently once later "
@@ -55,7 +61,7 @@ def assistant_spans(
     spans = []
     for (i, start), bound in zip(starts.items(), bounds, strict=True):
         content = turns[i]["content"]
-        upto = _render(tokenizer, turns[: i + 1])
+        upto = _render(tokenizer, turns[: i + 1], template=template)
         closed = upto.rstrip()  # content + end-of-turn, without the template's trailing newline
         if full.startswith(upto):
             end = len(closed)
@@ -84,6 +90,7 @@ def encode(
     truncated: set[int],
     max_length: int,
     last_turn_ids: list[int] | None = None,
+    template: dict | None = None,
 ):
     """input ids, loss mask, and whether the row was cut to max_length.
 
@@ -97,7 +104,8 @@ def encode(
     history = turns if last_turn_ids is None else turns[:-1]
 
     def tokenized(short):  # huge messages cut by characters first (dflash.data.bounded)
-        text, spans = assistant_spans(tokenizer, short, truncated, last_turn_ids is not None)
+        generated = last_turn_ids is not None
+        text, spans = assistant_spans(tokenizer, short, truncated, generated, template)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return (enc, spans), len(enc["input_ids"])
 
@@ -113,7 +121,9 @@ def has_trainable_pair(mask: list[int]) -> bool:
     return any(a and b for a, b in zip(mask, mask[1:], strict=False))
 
 
-def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int):
+def tokenize_rows(
+    frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int, template=None
+):
     import datasets
     from transformers import AutoTokenizer
 
@@ -133,6 +143,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
                 set(row["truncated_turns"]),
                 max_length,
                 last_turn_ids=generated[-1] if generated else None,
+                template=template,
             )
         except DataError as e:
             raise DataError(f"row id {row['id']}: {e}") from e
@@ -177,7 +188,8 @@ def run(args) -> None:
     frame = pl.read_parquet(args.input)
     if frame.height == 0:
         raise DataError(f"{args.input}: no rows to tokenize")
-    out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
+    template = data_cfg.get("chat_template_kwargs") or {}
+    out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"], template)
     kept = out.filter(pl.col("keep")).drop("keep", "cut")
     report = {
         "rows_in": frame.height,
@@ -199,6 +211,6 @@ def run(args) -> None:
             "tokenize",
             {"input": args.input, "target": args.target},
             {"output": args.output, "report": report_path},
-            params={"max_length": data_cfg["max_length"]},
+            params={"max_length": data_cfg["max_length"], "chat_template_kwargs": template},
             code=(__name__,),
         )

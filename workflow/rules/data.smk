@@ -73,7 +73,14 @@ rule regenerate_shard:
         gpu=1 if HAS_GPU else 0,
     params:
         # cache_dir: the file hashes of the target (dflash/filehash.py) that resuming checks
-        config=config_json("data.regenerate", "data.max_length", "cache_dir"),
+        config=config_json(
+            "data.regenerate",
+            "data.max_length",
+            "data.chat_template_kwargs",
+            "cache_dir",
+            # the streams of sampled answers start from the run's seed; greedy ones do not
+            *(["seed"] if config["data"]["regenerate"]["temperature"] > 0 else []),
+        ),
         target=TARGET,
         target_files=target_fingerprint(),
         workdir=f"{R}/work/regenerate/{{split}}",
@@ -122,7 +129,9 @@ rule tokenize:
         f"{R}/logs/tokenize_{{split}}.log",
     threads: config["data"]["num_proc"]
     params:
-        config=config_json("data.max_length", "data.num_proc"),
+        config=config_json(
+            "data.max_length", "data.num_proc", "data.chat_template_kwargs"
+        ),
         target=TARGET,
         target_files=target_fingerprint(),
         code=code_hash("dflash.data.tokenization"),

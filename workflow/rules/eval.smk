@@ -3,16 +3,24 @@
 
 
 # cache_dir: where eval sets given as pinned wheels are fetched to.
-VLLM_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
+VLLM_CONFIG = config_json(
+    "seed", "drafter", "eval", "cache_dir", "data.chat_template_kwargs"
+)
 # eval_acceptance and eval_ddtree do not read eval.vllm: changing it reruns eval_vllm alone
+# eval_acceptance and eval_ddtree read neither eval.vllm nor eval.sampling: changing those reruns
+# their own stages alone
 EVAL_CONFIG = json.dumps(
     {
         **json.loads(VLLM_CONFIG),
-        "eval": {k: v for k, v in config["eval"].items() if k != "vllm"},
+        "eval": {
+            k: v for k, v in config["eval"].items() if k not in ("vllm", "sampling")
+        },
     },
     sort_keys=True,
 )
 EVAL_CODE = code_hash("dflash.eval.run")
+# the evaluation at temperature, where eval.sampling names temperatures
+WITH_SAMPLING = bool(config["eval"]["sampling"]["temperatures"])
 # vLLM serves the drafter where it is installed on a GPU host (eval.vllm.enabled: auto), or always
 WITH_VLLM = config["eval"]["vllm"]["enabled"] is True or (
     config["eval"]["vllm"]["enabled"] == "auto"
@@ -77,6 +85,41 @@ rule eval_ddtree:
         " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
+rule eval_sampling:
+    """The evaluation's methods again at each temperature of eval.sampling (speculative
+    sampling as the engines serve), beside the greedy τ of the same prompts; tau_sim there.
+    """
+    input:
+        **eval_inputs(),
+        tokenized=f"{R}/data/tokenized/eval.parquet",
+        acceptance=f"{R}/eval/acceptance.json",
+        ddtree=[f"{R}/eval/ddtree.json"] if config["eval"]["sampling"]["ddtree"] else [],
+    output:
+        sampling=report(f"{R}/eval/sampling.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_sampling.json",
+    log:
+        f"{R}/logs/eval_sampling.log",
+    threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    params:
+        config=VLLM_CONFIG,
+        sets=eval_set_hashes(),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        ddtree=lambda wildcards, input: (
+            f" --ddtree {input.ddtree[0]}" if input.ddtree else ""
+        ),
+        target=TARGET,
+        target_files=target_fingerprint(),
+        code=code_hash("dflash.eval.temperature"),
+        env=ENV_HASH,
+    shell:
+        "OMP_NUM_THREADS={threads} python -m dflash sample-eval --config {params.config:q}"
+        " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
+        " --tokenized {input.tokenized} --acceptance {input.acceptance}{params.ddtree}"
+        " --output {output.sampling} --manifest {output.manifest} > {log} 2>&1"
+
+
 rule eval_vllm:
     """vLLM's DFlash method serving the run's target and drafter on the same prompts: its own
     acceptance length per prompt and tokens/s, beside the target alone in vLLM and our τ.
@@ -84,6 +127,7 @@ rule eval_vllm:
     input:
         **eval_inputs(),
         acceptance=f"{R}/eval/acceptance.json",
+        sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
     output:
         vllm=report(f"{R}/eval/vllm.json", category="Evaluation"),
         manifest=f"{R}/manifests/eval_vllm.json",
@@ -100,10 +144,13 @@ rule eval_vllm:
         target_files=target_fingerprint(),
         code=code_hash("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
         env=ENV_HASH,
+        sampling=lambda wildcards, input: (
+            f" --sampling {input.sampling[0]}" if input.sampling else ""
+        ),
     shell:
         "python -m dflash eval-vllm --config {params.config:q} --target {params.target}"
         " --drafter {params.drafter} --held-out {input.held_out}"
-        " --acceptance {input.acceptance} --output {output.vllm}"
+        " --acceptance {input.acceptance}{params.sampling} --output {output.vllm}"
         " --manifest {output.manifest} > {log} 2>&1"
 
 
@@ -116,6 +163,7 @@ rule report:
         acceptance=f"{R}/eval/acceptance.json",
         ddtree=f"{R}/eval/ddtree.json",
         vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
+        sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
@@ -124,10 +172,13 @@ rule report:
     params:
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
+        sampling=lambda wildcards, input: (
+            f" --sampling {input.sampling[0]}" if input.sampling else ""
+        ),
         code=code_hash("dflash.eval.report"),
         env=ENV_HASH,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree}{params.vllm} --summary {output.summary}"
+        " --ddtree {input.ddtree}{params.vllm}{params.sampling} --summary {output.summary}"
         " --plots {params.plots} > {log} 2>&1"
