@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash.config import ConfigError, check_paths, load_config, validate
 from dflash.custody import check_inputs
 from dflash.errors import UserError, disk_full
+from dflash.eval import compute_curve
 
 log = logging.getLogger("dflash")
 
@@ -271,17 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="MANIFEST.json or results folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(stage="dflash.compare:run")
-
-    p = sub.add_parser(
-        "compute-curve",
-        help="τ against training tokens over several runs: a table and a plot",
-        description="Read each results folder's metrics (tau_sim against training tokens), "
-        "evaluation (real τ) and data report; write compute_curve.md, .png and .json.",
-    )
-    p.add_argument("runs", nargs="+", type=Path, help="results folders, e.g. one per data size")
-    p.add_argument("--name", action="append", help="a label per run, in order (default: folder)")
-    p.add_argument("--out", type=Path, default=Path("compute-curve"), help="output folder")
-    p.set_defaults(stage="dflash.eval.compute_curve:run")
+    compute_curve.add_parser(sub)
     p = _add(
         sub,
         "random-target",

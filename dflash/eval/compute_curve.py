@@ -147,6 +147,20 @@ def plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def add_parser(sub) -> None:
+    """The `compute-curve` subcommand of the CLI."""
+    p = sub.add_parser(
+        "compute-curve",
+        help="τ against training tokens over several runs: a table and a plot",
+        description="Read each results folder's metrics (tau_sim against training tokens), "
+        "evaluation (real τ) and data report; write compute_curve.md, .png and .json.",
+    )
+    p.add_argument("runs", nargs="+", type=Path, help="results folders, e.g. one per data size")
+    p.add_argument("--name", action="append", help="a label per run, in order (default: folder)")
+    p.add_argument("--out", type=Path, default=Path("compute-curve"), help="output folder")
+    p.set_defaults(stage="dflash.eval.compute_curve:run")
+
+
 def run(args) -> None:
     names = args.name or [None] * len(args.runs)
     if len(names) != len(args.runs):
