@@ -137,7 +137,8 @@ def _torch_version() -> tuple[int, int] | None:
 def check_levers(config: dict, source: str = "config") -> dict:
     """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
     together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
-    an init to fine-tune, more frozen layers than the drafter has, Muon on a torch without it."""
+    an init to fine-tune, more frozen layers than the drafter has, several answers a prompt
+    without sampling, Muon on a torch without it."""
     d, t = config.get("drafter") or {}, config.get("train") or {}
     wrong = []
     if d.get("loss") == "dpace":
@@ -162,6 +163,15 @@ def check_levers(config: dict, source: str = "config") -> dict:
         wrong.append(
             f"train.finetune.freeze_layers ({tune['freeze_layers']}) is more than the drafter's "
             f"{layers} layers (drafter.num_layers)"
+        )
+    regen = (config.get("data") or {}).get("regenerate") or {}
+    if regen.get("samples", 1) > 1 and not (
+        regen.get("enabled", True) and regen.get("temperature")
+    ):
+        wrong.append(
+            f"data.regenerate.samples ({regen['samples']}) answers a prompt need sampled "
+            f"regeneration: set data.regenerate.temperature above 0 (with "
+            f"data.regenerate.enabled), else every copy is the same answer"
         )
     found = _torch_version() if t.get("optimizer") == "muon" else None
     if found is not None and found < (2, 9):

@@ -309,3 +309,29 @@ def test_a_training_fraction_keeps_a_prefix_so_a_quarter_is_part_of_the_half():
     assert first_rows(rows[:2], None, 0.1) == rows[:1]  # never none
     with pytest.raises(ValueError, match="data.train_fraction"):
         validate({"data": {"train_fraction": 0}})
+
+
+def test_several_sampled_answers_a_prompt_are_copies_with_ids_of_their_own():
+    from dflash.config import ConfigError, check_levers
+    from dflash.data.expand import with_samples
+    from dflash.data.regenerate import in_shard
+    from dflash.model.sampling import row_key
+
+    rows = [{"id": "a1b2c3d4e5f6a7b8", "source": "s"}, {"id": "0123456789abcdef", "source": "s"}]
+    assert with_samples(rows, 1) is rows
+    three = with_samples(rows, 3)
+    assert [r["id"] for r in three] == [
+        "a1b2c3d4e5f6a7b8",
+        "a1b2c3d4e5f6a7b8-s1",
+        "a1b2c3d4e5f6a7b8-s2",
+        "0123456789abcdef",
+        "0123456789abcdef-s1",
+        "0123456789abcdef-s2",
+    ]
+    assert all(r["source"] == "s" for r in three)
+    assert len({row_key(0, r["id"], 1) for r in three}) == 6  # a stream each
+    assert len({in_shard(r["id"], 0, 2) for r in three[:3]}) == 1  # a row's copies: one shard
+    sampled = {"data": {"regenerate": {"samples": 4, "temperature": 0.8}}}
+    check_levers(validate(sampled))
+    with pytest.raises(ConfigError, match=r"data.regenerate.samples \(4\) answers a prompt need"):
+        check_levers(validate({"data": {"regenerate": {"samples": 4}}}))

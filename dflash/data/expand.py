@@ -201,6 +201,16 @@ def first_rows(train: list[dict], count: int | None, fraction: float) -> list[di
     return train
 
 
+def with_samples(train: list[dict], samples: int) -> list[dict]:
+    """Each training row `samples` times (data.regenerate.samples), copy k > 0 with the id
+    `<id>-s<k>`: regeneration keys its sampled stream by the id, so each copy gets an answer of
+    its own. Copies follow their row (its shard too: a shard is chosen by the id's first 12 hex
+    digits)."""
+    if samples == 1:
+        return train
+    return [r if k == 0 else {**r, "id": f"{r['id']}-s{k}"} for r in train for k in range(samples)]
+
+
 def write_rows(rows: list[dict], path: Path) -> None:
     schema = {"id": pl.String, "source": pl.String, "domain": pl.String}
     frame = pl.DataFrame(rows, schema={**schema, "conversations": CONVERSATION})
@@ -237,6 +247,7 @@ def run(args) -> None:
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
     train = first_rows(train, data_cfg["train_rows"], data_cfg["train_fraction"])
+    train = with_samples(train, data_cfg["regenerate"]["samples"])
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
     dropped, repaired = Counter(), Counter()

@@ -41,6 +41,7 @@ rule expand_dataset:
             "data.domain_rows",
             "data.train_rows",
             "data.train_fraction",
+            "data.regenerate.samples",
             "data.eval_rows",
         ),
         local_sources=local_source_hashes(),
