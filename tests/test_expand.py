@@ -335,3 +335,29 @@ def test_several_sampled_answers_a_prompt_are_copies_with_ids_of_their_own():
     check_levers(validate(sampled))
     with pytest.raises(ConfigError, match=r"data.regenerate.samples \(4\) answers a prompt need"):
         check_levers(validate({"data": {"regenerate": {"samples": 4}}}))
+
+
+def test_expand_writes_each_training_row_once_per_sample_and_counts_prompts_apart(tmp_path):
+    from dflash.cli import main
+
+    source = write_lines(
+        tmp_path / "s.jsonl", [json.dumps(conv(f"q{i}", f"a{i}")) for i in range(6)]
+    )
+    config = {
+        "data": {
+            "sources": [{"name": "s", "path": str(source)}],
+            "eval_rows": 1,
+            "regenerate": {"samples": 3, "temperature": 0.7},
+        }
+    }
+    out = tmp_path / "out"
+    args = ["expand", "--config", json.dumps(config), "--train", str(out / "train.parquet")]
+    args += ["--eval", str(out / "eval.parquet"), "--report", str(out / "report.json")]
+    assert main(args) == 0
+    train = pl.read_parquet(out / "train.parquet")
+    report = json.loads((out / "report.json").read_text())
+    assert train.height == 15 and train["id"].n_unique() == 15
+    assert train.filter(~pl.col("id").str.contains("-s"))["id"].n_unique() == 5
+    assert pl.read_parquet(out / "eval.parquet").height == 1
+    assert (report["train_rows"], report["train_prompts"], report["samples"]) == (15, 5, 3)
+    assert report["not_selected"] == 0

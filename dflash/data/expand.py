@@ -247,7 +247,7 @@ def run(args) -> None:
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
     train = first_rows(train, data_cfg["train_rows"], data_cfg["train_fraction"])
-    train = with_samples(train, data_cfg["regenerate"]["samples"])
+    samples = data_cfg["regenerate"]["samples"]
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
     dropped, repaired = Counter(), Counter()
@@ -260,7 +260,8 @@ def run(args) -> None:
         "assistant_turns": sum(s["assistant_turns_kept"] for s in sources.values()),
         "dropped_total": dict(sorted(dropped.items())),
         "repaired_total": dict(sorted(repaired.items())),
-        "train_rows": len(train),
+        "train_rows": len(train) * samples,  # the rows written, copies included
+        **({"samples": samples, "train_prompts": len(train)} if samples > 1 else {}),
         "eval_rows": len(held_out),
         "eval_rows_by_source": dict(sorted(held_by_source.items())),
         # rows per domain: kept (unique), in training, held out, left out by data.domain_rows
@@ -276,7 +277,7 @@ def run(args) -> None:
         "seed": config["seed"],
     }
     with atomic_path(args.train) as t, atomic_path(args.eval) as e:
-        write_rows(train, t)
+        write_rows(with_samples(train, samples), t)
         write_rows(held_out, e)
     write_json(args.report, report)
     log.info(
