@@ -29,6 +29,7 @@ RUN_ORDER = [
     "record",
     "verify",
     "compare",
+    "compute-curve",
     # tools beside the run
     "random-target",
     "plan",

@@ -6,6 +6,8 @@ they pass from it. Importing it imports neither torch nor any stage.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dflash.stages.spec import ELSEWHERE, IN, INERT, OUT, PARAM, PATH, REF, Arg, Stage
 
 __all__ = ["ELSEWHERE", "INERT", "STAGES", "TRAINING_CODE", "TRAINING_CONFIG", "Arg", "Stage"]
@@ -78,7 +80,8 @@ TABLE = (
             "seed",
             "cache_dir",
             *(f"data.{k}" for k in ("sources", "on_bad_row", "max_turns", "max_chars")),
-            *(f"data.{k}" for k in ("domain_rows", "train_rows", "eval_rows")),
+            *(f"data.{k}" for k in ("domain_rows", "train_rows", "train_fraction", "eval_rows")),
+            "data.regenerate.samples",  # each training row written this many times
         ),
     ),
     Stage(
@@ -323,6 +326,25 @@ TABLE = (
         manifest=False,
         description="Rank the recorded causes (topology, environment, code, config, data) of "
         "the throughput and τ differences between two runs.",
+    ),
+    Stage(
+        "compute-curve",
+        "dflash.eval.compute_curve:run",
+        "τ against training tokens over several runs: a table and a plot",
+        (
+            Arg("runs", "results folders, e.g. one per data size", PATH, True, {"nargs": "+"}),
+            Arg(
+                "--name",
+                "a label per run, in order (default: folder)",
+                None,
+                False,
+                {"action": "append"},
+            ),
+            Arg("--out", "output folder", PATH, False, {"default": Path("compute-curve")}),
+        ),  # fmt: skip
+        manifest=False,
+        description="Read each results folder's metrics (tau_sim against training tokens), "
+        "evaluation (real τ) and data report; write compute_curve.md, .png and .json.",
     ),
     Stage(
         "random-target",
