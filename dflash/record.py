@@ -43,6 +43,7 @@ VOLATILE = (
     "artefacts.eval/acceptance.json",
     "artefacts.eval/ddtree.json",
     "artefacts.eval/vllm.json",
+    "artefacts.eval/sampling.json",
     "artefacts.summary.md",
     "artefacts.report/throughput.png",
     "artefacts.report/ddtree.png",
@@ -52,6 +53,7 @@ VOLATILE = (
     "artefacts.manifests/eval_acceptance.json",
     "artefacts.manifests/eval_ddtree.json",
     "artefacts.manifests/eval_vllm.json",
+    "artefacts.manifests/eval_sampling.json",
     "artefacts.manifests/report.json",
 )
 
@@ -209,7 +211,9 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
     }
 
 
-def eval_summary(acceptance: dict, ddtree: dict, vllm: dict | None = None) -> dict:
+def eval_summary(
+    acceptance: dict, ddtree: dict, vllm: dict | None = None, sampling: dict | None = None
+) -> dict:
     methods = {"drafter": acceptance, **acceptance["baselines"]}
     trees = {f"{r['budget']}{'+lookup' if r.get('lookup') else ''}": r for r in ddtree["results"]}
     summary = {
@@ -231,6 +235,11 @@ def eval_summary(acceptance: dict, ddtree: dict, vllm: dict | None = None) -> di
             "ddtree_speedup": {b: r["speedup"] for b, r in trees.items()},
         },
     }
+    if sampling:  # eval_sampling ran: τ at each temperature, per method and draft rule
+        summary["quality"]["sampled_tau_macro"] = {
+            run["label"]: {m: r["overall"]["tau_macro"] for m, r in run["methods"].items()}
+            for run in sampling["runs"]
+        }
     if vllm:  # eval_vllm ran: the serving engine's acceptance length and speedups
         summary["quality"]["vllm"] = {"version": vllm["vllm"], **vllm["acceptance_length"]}
         summary["speed"]["vllm_speedup"] = {
@@ -249,10 +258,10 @@ def topology_summary(train: dict) -> dict:
     }
 
 
-def result_summaries(results: Path, vllm: bool = True) -> dict:
+def result_summaries(results: Path, vllm: bool = True, sampling: bool = True) -> dict:
     """The data, train and eval sections of a record, for the outputs the folder holds
-    (`vllm` False: not eval/vllm.json, left by an earlier config, where this run has no
-    eval_vllm)."""
+    (`vllm`/`sampling` False: not eval/vllm.json or eval/sampling.json, left by an earlier
+    config, where this run has no eval_vllm or eval_sampling)."""
     sections = {}
     if (stats := results / "data/stats/stats.json").exists():
         sections["data"] = data_summary(read_json(stats))
@@ -261,11 +270,12 @@ def result_summaries(results: Path, vllm: bool = True) -> dict:
         sections["train"] = train_summary(read_json(summary), [json.loads(x) for x in lines])
     acceptance, ddtree = results / "eval/acceptance.json", results / "eval/ddtree.json"
     if acceptance.exists() and ddtree.exists():
-        served = results / "eval/vllm.json"
+        served, sampled = results / "eval/vllm.json", results / "eval/sampling.json"
         sections["eval"] = eval_summary(
             read_json(acceptance),
             read_json(ddtree),
             read_json(served) if vllm and served.exists() else None,
+            read_json(sampled) if sampling and sampled.exists() else None,
         )
     return sections
 
@@ -336,7 +346,11 @@ def build_record(
         "config_sha256": sha256_json(config),
         "config": config,
         "topology": topology_summary(config["train"]),
-        **result_summaries(results, vllm=results / "eval/vllm.json" in map(Path, outputs)),
+        **result_summaries(
+            results,
+            vllm=results / "eval/vllm.json" in map(Path, outputs),
+            sampling=results / "eval/sampling.json" in map(Path, outputs),
+        ),
     }
     # what the run read, made once under resources/ for every run that names it
     record["inputs"] = {name: input_record(results, f) for name, f in sorted(inputs.items())}

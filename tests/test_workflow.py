@@ -217,6 +217,7 @@ def test_the_slurm_profile_sends_every_gpu_rule_to_gpus(tiny_workflow):
     out = flow.run("-n", "-F", "all", "--workflow-profile", str(profile)).stdout
     plan = planned_resources(out)
     gpu_rules = {"regenerate_shard", "warmup_compile", "train", "eval_acceptance", "eval_ddtree"}
+    gpu_rules |= {"eval_sampling"}  # tiny.yaml evaluates at temperature 1 too
     assert gpu_rules <= plan.keys() and "target" in plan
     for rule, res in plan.items():
         assert "--gres" not in res.get("slurm_extra", "") and "--gpus" not in res.get(
@@ -522,7 +523,8 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     changed["eval"]["max_new_tokens"] = 6
     (flow.workdir / "eval.yaml").write_text(yaml.safe_dump(changed))
     planned = set(flow.planned_jobs("all", config="eval.yaml")) - {"all"}
-    assert planned == {"eval_acceptance", "eval_ddtree", "report", "record"}
+    # eval_sampling compares with the greedy τ of the same prompts: it reads both evaluations
+    assert planned == {"eval_acceptance", "eval_ddtree", "eval_sampling", "report", "record"}
 
 
 def reasons(out: str) -> dict[str, str]:
@@ -554,7 +556,7 @@ def test_reruns_are_as_narrow_as_the_change_and_the_reason_names_it(tiny_workflo
     (flow.workdir / "tree.yaml").write_text(yaml.safe_dump(config))
     out = flow.run("-n", "all", config="tree.yaml").stdout
     assert set(flow.planned_jobs("all", config="tree.yaml")) == {
-        "eval_ddtree", "report", "record", "all"
+        "eval_ddtree", "eval_sampling", "report", "record", "all"
     }  # fmt: skip
     why = reasons(out)["eval_ddtree"]
     assert "before: 'eval.ddtree.budgets=[4, 16]' now: 'eval.ddtree.budgets=[4, 8]'" in why

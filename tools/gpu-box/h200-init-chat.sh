@@ -15,7 +15,7 @@
 # $OUT/chat, keeps its drafter in /tmp/drafter-chat, puts the whole split in its place and
 # starts the fine-tune (target, expand and the eval split reused). Called again, it only waits.
 # (2026-12-06: the two calls ran in 562 s and 422 s, the fine-tune's evaluation included.)
-# $FINETUNE: one more config merged over the fine-tune's, e.g. FINETUNE=bench/h200-finetune.yaml
+# $FINETUNE: one more config merged over the fine-tune's, e.g. the lever overlay h200-finetune.yaml in bench/
 # (issue 57: the fine-tune's own peak lr, warmup and frozen layers).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
