@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p.add_argument(f"--{name}", type=Path, required=True, help=what)
     p.add_argument("--vllm", type=Path, help="eval_vllm's vllm.json, where that stage ran")
+    p.add_argument("--drafter", help="the trained drafter's folder, named in the summary")
+    p.add_argument("--serve-target", help="the target as a serving engine is given it")
+    p.add_argument("--tokenized", type=Path, help="tokenize's report of the training split")
     p.add_argument("--summary", type=Path, required=True, help="summary.md to write")
     p.add_argument("--plots", type=Path, required=True, help="folder for the PNG plots")
     p.set_defaults(

@@ -10,6 +10,7 @@ tokenizer's offsets, so any template that renders earlier turns unchanged works.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -132,6 +133,19 @@ def has_trainable_pair(mask: list[int]) -> bool:
     return any(a and b for a, b in zip(mask, mask[1:], strict=False))
 
 
+# a row whose trainable tokens are this much one token id is a repeated token, not an answer
+REPEATED_SHARE, REPEATED_MIN_TOKENS = 0.9, 8
+
+
+def one_token_repeated(ids: list[int], mask: list[int]) -> bool:
+    """The row's trainable tokens (at least REPEATED_MIN_TOKENS) are mostly one token: what a
+    degenerate target regenerates ("the the the ..."), on which τ says nothing."""
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    if len(trained) < REPEATED_MIN_TOKENS:
+        return False
+    return Counter(trained).most_common(1)[0][1] >= REPEATED_SHARE * len(trained)
+
+
 def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int):
     import datasets
     from transformers import AutoTokenizer
@@ -173,6 +187,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
             "trainable": sum(mask),
             "keep": has_trainable_pair(mask),
             "cut": cut,
+            "repeated": one_token_repeated(ids, mask),
             "left_out": "",
         }
 
@@ -196,7 +211,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
 
 def _left_out(reason: str) -> dict:
     return {"input_ids": [], "loss_mask": [], "length": 0, "trainable": 0, "keep": False,
-            "cut": False, "left_out": reason}  # fmt: skip
+            "cut": False, "repeated": False, "left_out": reason}  # fmt: skip
 
 
 _TOKENIZERS: dict = {}
@@ -222,7 +237,7 @@ def run(args) -> None:
     if frame.height == 0:
         raise DataError(f"{args.input}: no rows to tokenize")
     out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
-    kept = out.filter(pl.col("keep")).drop("keep", "cut", "left_out")
+    kept = out.filter(pl.col("keep")).drop("keep", "cut", "repeated", "left_out")
     left_out = out.filter(pl.col("left_out") != "").with_columns(
         reason=pl.col("left_out").str.split(": ").list.get(0)
     )
@@ -242,6 +257,9 @@ def run(args) -> None:
         },
         "truncated_to_max_length": int(out["cut"].sum()),
         "max_length": data_cfg["max_length"],
+        # kept rows whose answers are one token repeated (a degenerate target's, see
+        # `one_token_repeated`): results/summary.md warns when they are many
+        "one_token_repeated": int(out.filter(pl.col("keep"))["repeated"].sum()),
     }
     if kept.height == 0:
         raise DataError(f"{args.input}: no row has two consecutive trainable tokens")

@@ -172,6 +172,8 @@ TARGET_KEY = target_key()
 TARGET_DIR = f"{RES}/target/{TARGET_KEY}"
 # The target as an HF directory: the user's local path, or the target rule's output.
 TARGET = config["target"]["path"] or f"{TARGET_DIR}/hf"
+# The target as a serving engine is given it (results/summary.md's command lines).
+SERVE_TARGET = config["target"]["path"] or config["target"]["hub_id"] or TARGET
 # The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
 TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
 # The trained drafter, declared as files: its config, weights and modeling file (auto_map).

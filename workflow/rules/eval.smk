@@ -116,6 +116,7 @@ rule report:
         acceptance=f"{R}/eval/acceptance.json",
         ddtree=f"{R}/eval/ddtree.json",
         vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
+        tokenized=f"{R}/data/tokenized/train.report.json",
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
@@ -124,10 +125,14 @@ rule report:
     params:
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
+        drafter=DRAFTER,
+        serve_target=SERVE_TARGET,
         code=code_hash("dflash.eval.report"),
         env=ENV_HASH,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree}{params.vllm} --summary {output.summary}"
+        " --ddtree {input.ddtree}{params.vllm} --tokenized {input.tokenized}"
+        " --drafter {params.drafter:q} --serve-target {params.serve_target:q}"
+        " --summary {output.summary}"
         " --plots {params.plots} > {log} 2>&1"
