@@ -9,39 +9,18 @@ import shutil
 import sys
 from pathlib import Path
 
-from snakemake.exceptions import WorkflowError
 from snakemake.io import is_flagged
 from snakemake.logging import logger
 
-from dflash.config import (
-    check_paths,
-    check_sources,
-    expand_user,
-    validate as dflash_validate,
-)
+from dflash.config import expand_user
 from dflash.custody import damaged, pending, quarantine
 from dflash.custody import rel as custody_rel
-from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
 from dflash import locks
 from dflash.manifest import code_hash, environment_hash
-from dflash.model.start import init_identity, init_path, read_config
-
-# snakemake's validate fills top-level defaults; ours fills nested ones with the same schema.
-# A user's mistake is reported as Snakemake reports its own (the message and where, no
-# traceback), before any job: a path that does not exist, a key the schema refuses.
-try:
-    check_paths(dflash_validate(config, "workflow config"), "the workflow config")
-    check_sources(config, "the workflow config")
-except UserError as e:
-    raise WorkflowError(str(e)) from None
-
-# Locks left by a run killed outright stop the next start with Snakemake's LockException,
-# whose advice (--unlock) is wrong while the other run is alive: say which it is, first.
-if workflow.is_main_process and (note := locks.explain()):
-    logger.warning(note)
+from dflash.model.start import init_identity, init_path
 
 
 onstart:
@@ -87,24 +66,13 @@ def content_hash(path):
     return digest
 
 
-def environment_bin():
-    """The bin folder of the Python running Snakemake, whose `python` must be that Python."""
-    folder = os.path.dirname(sys.executable)
-    python = os.path.join(folder, "python")
-    if not (os.path.exists(python) and os.path.samefile(python, sys.executable)):
-        raise WorkflowError(
-            f"{python} is not the Python running Snakemake ({sys.executable}), which the rules"
-            " call as `python`: run Snakemake from a virtual environment (scripts/setup.sh)"
-        )
-    return folder
-
-
 # Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
 # (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
-# jobs' PATH, which srun passes on to every node. Not a param: where the environment lives is no
-# reason to rerun, what it holds is (ENV_HASH).
+# jobs' PATH, which srun passes on to every node (dflash.preflight checked that its `python` is
+# this Python). Not a param: where the environment lives is no reason to rerun, what it holds is
+# (ENV_HASH).
 shell.prefix(
-    f'set -euo pipefail; export PATH={shlex.quote(environment_bin())}:"$PATH"; '
+    f'set -euo pipefail; export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; '
 )
 
 
@@ -194,37 +162,8 @@ def target_input():
     return ancient(path) if path else f"{TARGET_DIR}/manifest.json"
 
 
-if config["target"]["path"]:
-    # No rule builds a user's own target, so its facts are checked here, before any job runs
-    # (the target rule checks those it builds), or a missing mask token would
-    # surface only once training starts, after regeneration.
-    from dflash.model.target import resolve_mask_token
-
-    try:
-        resolve_mask_token(config["target"]["path"], config["target"]["mask_token_id"])
-    except UserError as e:
-        raise WorkflowError(str(e)) from None
-
-
-# An exported drafter to start from (drafter.init: <path>), checked before any job runs: that it
-# is one, that it is not the drafter this run writes (training would rewrite its own start, and
-# its new hash would rerun training forever), and, for a user's target, that it fits the run.
+# An exported drafter to start from (drafter.init: <path>), checked by dflash.preflight.
 INIT = init_path(config["drafter"]["init"])
-if INIT is not None:
-    try:
-        if os.path.realpath(INIT) == os.path.realpath(DRAFTER):
-            raise UserError(
-                f"drafter.init: {INIT} is the drafter this run writes, rewritten by every"
-                f" training: copy it out of {R}/ first (cp -r {DRAFTER} drafters/previous) and"
-                " start from the copy"
-            )
-        read_config(INIT)
-        if config["target"]["path"]:
-            from dflash.train.features import drafter_config
-
-            drafter_config(config, config["target"]["path"])
-    except UserError as e:
-        raise WorkflowError(str(e)) from None
 
 
 def init_identity_param():
