@@ -15,6 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+# a command whose config makes something else than the run in its results folder, told so
+# (refused otherwise: dflash/run_owner.py)
+OVER = ("--config", "overwrite_results=true")
 
 
 def copy_repo(dest: Path) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import REPO
 
 from dflash import auto_memory
 from dflash.config import load_config
@@ -91,7 +92,7 @@ def test_too_little_memory_is_refused_with_the_numbers():
 
 def test_on_a_cpu_auto_gives_the_default_configs_sizes(tmp_path):
     """The CPU default says auto; on a CPU that resolves to the sizes it was measured with."""
-    config = load_config("config/config.yaml")
+    config = load_config(REPO / "config/config.yaml")
     assert (config["data"]["token_budget"], config["drafter"]["max_anchors"]) == ("auto", "auto")
     chosen = auto_memory.resolve(config, on_gpu=False, built=None, pin=tmp_path / "pin.json")
     assert chosen.values == CPU_SIZES
@@ -104,7 +105,7 @@ def own_config(tmp_path, free_gb=80):
     target = tmp_path / "target"
     target.mkdir(exist_ok=True)
     (target / "config.json").write_text(json.dumps(PRESETS["qwen3-8b"]))
-    config = load_config("config/my-model.yaml")
+    config = load_config(REPO / "config/my-model.yaml")
     config["target"]["path"] = str(target)
     config["gpu_memory_gb"] = free_gb
     return config
@@ -130,6 +131,6 @@ def test_a_run_keeps_its_first_choice_while_it_still_fits(tmp_path):
 
 
 def test_a_gpu_run_without_the_targets_shapes_says_to_build_it_first():
-    config = load_config("config/config.yaml")  # the target rule builds SmolLM2 from a wheel
+    config = load_config(REPO / "config/config.yaml")  # the target rule builds SmolLM2 from a wheel
     with pytest.raises(UserError, match="run `snakemake --cores all target` first"):
         auto_memory.resolve(config, on_gpu=True, built=None, pin=None)

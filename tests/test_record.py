@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import Workflow
+from conftest import OVER, Workflow
 
 from dflash.compare import compare, load_run
 from dflash.record import VOLATILE, data_summary
@@ -384,7 +384,7 @@ def test_a_changed_training_key_really_retrains(run_b):
     config = yaml.safe_load((run_b.workdir / "tiny.yaml").read_text())
     config["train"] = {"lr": 5.0e-4}
     (run_b.workdir / "lr.yaml").write_text(yaml.safe_dump(config))
-    run_b.run("train", config="lr.yaml")
+    run_b.run("train", *OVER, config="lr.yaml")  # another config file: told so
     assert len(list((run_b.results / "checkpoints").glob("run-*"))) == 2
     log = (run_b.results / "logs/train.log").read_text()
     assert "lr" in log.split("the latest differs in:")[1]

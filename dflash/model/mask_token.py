@@ -15,13 +15,10 @@ the end-of-turn, would look to the drafter like real context.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from dflash.errors import UserError
-
-log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # listed in messages: enough to pick from, short enough for one line
@@ -140,10 +137,10 @@ def choose_mask_token(
 
 def check_mask_token(
     tokenizer: Callable, vocab_size: int, configured: int | None, where: str, eos_ids=()
-) -> int:
-    """The drafter's MASK id for a target, checked (`choose_mask_token`). `tokenizer` is called
-    only when there is one to read: a configured id for a model folder without tokenizer files
-    (a benchmark's random target) is checked against the vocabulary alone."""
+) -> tuple[int, str]:
+    """The drafter's MASK id for a target and how it was chosen (`choose_mask_token`).
+    `tokenizer` is called only when there is one to read: a configured id for a model folder
+    without tokenizer files (a benchmark's random target) is checked against the vocabulary."""
     if configured is not None and not 0 <= configured < vocab_size:
         raise UserError(
             f"target.mask_token_id={configured} is outside the vocabulary of target {where}"
@@ -154,11 +151,8 @@ def check_mask_token(
     if tok is None:
         if configured is None:
             raise UserError(f"target {where}: no tokenizer to choose target.mask_token_id from")
-        return configured
-    mask, how = choose_mask_token(tok, vocab_size, configured, where, eos_ids)
-    if configured is None:
-        log.info("target.mask_token_id: %d, %s", mask, how)
-    return mask
+        return configured, "configured"
+    return choose_mask_token(tok, vocab_size, configured, where, eos_ids)
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -177,8 +171,8 @@ def config_eos_ids(model_dir: str | Path) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
-    """`check_mask_token` for an HF directory, before any expensive stage."""
+def mask_token_choice(model_dir: str | Path, configured: int | None) -> tuple[int, str]:
+    """(`check_mask_token`'s id, how it was chosen) for an HF directory."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not Path(model_dir).is_dir():
@@ -191,3 +185,8 @@ def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
         str(model_dir),
         config_eos_ids(model_dir),
     )
+
+
+def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
+    """The MASK id for an HF directory, before any expensive stage."""
+    return mask_token_choice(model_dir, configured)[0]
