@@ -30,7 +30,8 @@ stage's arguments; docs/workflow.md has the rule behind each."""
 def load(value: str) -> dict:
     if value.lstrip().startswith("{"):
         try:
-            return check_paths(validate(json.loads(value), "--config JSON"), "--config JSON")
+            config = json.loads(value)
+            return check_paths(validate(config, cli=config), "--config JSON")
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config is not valid JSON: {e}") from e
     return check_paths(load_config(value), value)

@@ -39,6 +39,8 @@ class Run:
     python: str = sys.executable
     # `snakemake --unlock`: it plans nothing, so no check of what a plan would make applies
     unlocking: bool = False
+    # the keys given with `--config key=value`, which the config's errors name as such
+    cli_config: dict = field(default_factory=dict)
 
     @property
     def results(self) -> Path:
@@ -56,12 +58,14 @@ class Run:
 
 
 Check = Callable[[Run], "str | None"]
+EMBEDDED = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 
 
 def config_is_valid(run: Run) -> None:
     """The schema's nested defaults filled in; every path the config names exists; held-out
     counts and held-out eval sets name sources that exist."""
-    check_paths(validate(run.config, "workflow config"), "the workflow config")
+    files = run.configfile_names or [os.path.relpath(EMBEDDED, run.workdir)]
+    check_paths(validate(run.config, files, run.cli_config), "the workflow config")
     check_sources(run.config, "the workflow config")
 
 

@@ -35,8 +35,9 @@ class Workflow:
         # The copy's package shadows the installed (editable) one for Snakemake and every rule.
         return {**os.environ, "PYTHONPATH": str(self.repo)}
 
-    def run(self, *args: str, config: str = "tiny.yaml", check: bool = True):
-        # --configfile takes several values, so it goes last, after the targets.
+    def run(self, *args: str, config: str | None = "tiny.yaml", check: bool = True):
+        # --configfile takes several values, so it goes last, after the targets (None: no
+        # --configfile, the embedded default)
         cmd = [
             sys.executable,
             "-m",
@@ -46,8 +47,7 @@ class Workflow:
             "--cores",
             "2",
             *args,
-            "--configfile",
-            config,
+            *(["--configfile", config] if config else []),
         ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), cwd=self.workdir)
         if check and done.returncode != 0:

@@ -4,7 +4,7 @@ command lines for it, and a warning when its figures mean nothing (a degenerate 
 import json
 import shlex
 
-from dflash.data.tokenization import one_token_repeated
+from dflash.data.tokenization import repetitive
 from dflash.eval.handover import degenerate_warning, handover_text, serve_commands
 
 
@@ -21,14 +21,14 @@ def test_the_serve_commands_name_the_drafter_and_the_blocks_tokens():
 
 
 def test_the_opening_says_where_the_drafter_is_and_warns_only_when_degenerate():
-    healthy = {"rows_out": 40, "one_token_repeated": 1}
+    healthy = {"rows_out": 40, "repetitive_rows": 1}
     lines = handover_text("t", "results/drafter", 16, 2.4, healthy)
     assert lines[0].startswith("**Your drafter:** `results/drafter`")
     assert not any("Warning" in line for line in lines)
-    degenerate = {"rows_out": 40, "one_token_repeated": 40}
+    degenerate = {"rows_out": 40, "repetitive_rows": 40}
     lines = handover_text("t", "results/drafter", 16, 15.5, degenerate)
     assert lines[0].startswith("**Warning: these figures mean nothing.**")
-    assert "40 of 40 training rows are one token repeated" in lines[0]
+    assert "40 of 40 training rows loop over a few tokens" in lines[0]
     assert "τ 15.5 of 16" in lines[0]
 
 
@@ -37,8 +37,9 @@ def test_a_tau_near_the_block_size_warns_even_without_the_data_report():
     assert degenerate_warning(None, 3.5, 16) is None
 
 
-def test_a_repeated_token_is_told_from_an_answer():
-    mask = [0, 0] + [1] * 10
-    assert one_token_repeated([1, 2] + [7] * 10, mask)
-    assert not one_token_repeated([1, 2] + list(range(10)), mask)
-    assert not one_token_repeated([1, 2, 7, 7], [0, 0, 1, 1])  # too short to say
+def test_a_loop_is_told_from_an_answer():
+    mask = [0, 0] + [1] * 12
+    assert repetitive([1, 2] + [7] * 12, mask)  # one token
+    assert repetitive([1, 2] + [5, 9] * 6, mask)  # "lessnesslessness"
+    assert not repetitive([1, 2] + list(range(12)), mask)
+    assert not repetitive([1, 2, 7, 7], [0, 0, 1, 1])  # too short to say

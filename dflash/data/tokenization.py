@@ -10,7 +10,6 @@ tokenizer's offsets, so any template that renders earlier turns unchanged works.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 
 import polars as pl
@@ -133,17 +132,22 @@ def has_trainable_pair(mask: list[int]) -> bool:
     return any(a and b for a, b in zip(mask, mask[1:], strict=False))
 
 
-# a row whose trainable tokens are this much one token id is a repeated token, not an answer
-REPEATED_SHARE, REPEATED_MIN_TOKENS = 0.9, 8
+# a row is a loop when this share of its trainable tokens repeats one of the LOOP_SPAN before
+# it: natural answers measured 4 % (median), 19 % (p99) and 48 % (max) of 1,332 ShareGPT answers
+# in SmolLM2's tokens; a random target's "lessnesslessness..." 94 % and more
+LOOP_SHARE, LOOP_SPAN, LOOP_MIN_TOKENS = 0.8, 4, 8
 
 
-def one_token_repeated(ids: list[int], mask: list[int]) -> bool:
-    """The row's trainable tokens (at least REPEATED_MIN_TOKENS) are mostly one token: what a
-    degenerate target regenerates ("the the the ..."), on which τ says nothing."""
+def repetitive(ids: list[int], mask: list[int]) -> bool:
+    """The row's trainable tokens (at least LOOP_MIN_TOKENS) are a loop of a few tokens: what a
+    degenerate target regenerates ("the the the", "lessnesslessness"), on which τ says
+    nothing (a drafter that repeats is right almost every time)."""
     trained = [i for i, m in zip(ids, mask, strict=True) if m]
-    if len(trained) < REPEATED_MIN_TOKENS:
+    if len(trained) < LOOP_MIN_TOKENS:
         return False
-    return Counter(trained).most_common(1)[0][1] >= REPEATED_SHARE * len(trained)
+    span = LOOP_SPAN
+    repeats = sum(trained[k] in trained[k - span : k] for k in range(span, len(trained)))
+    return repeats >= LOOP_SHARE * (len(trained) - span)
 
 
 def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int):
@@ -187,7 +191,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
             "trainable": sum(mask),
             "keep": has_trainable_pair(mask),
             "cut": cut,
-            "repeated": one_token_repeated(ids, mask),
+            "repetitive": repetitive(ids, mask),
             "left_out": "",
         }
 
@@ -211,7 +215,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
 
 def _left_out(reason: str) -> dict:
     return {"input_ids": [], "loss_mask": [], "length": 0, "trainable": 0, "keep": False,
-            "cut": False, "repeated": False, "left_out": reason}  # fmt: skip
+            "cut": False, "repetitive": False, "left_out": reason}  # fmt: skip
 
 
 _TOKENIZERS: dict = {}
@@ -237,7 +241,7 @@ def run(args) -> None:
     if frame.height == 0:
         raise DataError(f"{args.input}: no rows to tokenize")
     out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
-    kept = out.filter(pl.col("keep")).drop("keep", "cut", "repeated", "left_out")
+    kept = out.filter(pl.col("keep")).drop("keep", "cut", "repetitive", "left_out")
     left_out = out.filter(pl.col("left_out") != "").with_columns(
         reason=pl.col("left_out").str.split(": ").list.get(0)
     )
@@ -257,9 +261,9 @@ def run(args) -> None:
         },
         "truncated_to_max_length": int(out["cut"].sum()),
         "max_length": data_cfg["max_length"],
-        # kept rows whose answers are one token repeated (a degenerate target's, see
-        # `one_token_repeated`): results/summary.md warns when they are many
-        "one_token_repeated": int(out.filter(pl.col("keep"))["repeated"].sum()),
+        # kept rows whose answers loop over a few tokens (a degenerate target's, see
+        # `repetitive`): results/summary.md warns when they are many
+        "repetitive_rows": int(out.filter(pl.col("keep"))["repetitive"].sum()),
     }
     if kept.height == 0:
         raise DataError(f"{args.input}: no row has two consecutive trainable tokens")

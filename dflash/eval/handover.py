@@ -1,7 +1,7 @@
 """What the user got, at the top of results/summary.md: where the drafter is, the command lines
 that serve it beside its target (vLLM and SGLang, as README's "Serve your drafter"), and a
-warning where τ cannot mean what it seems to: answers the target regenerated as one token
-repeated (a random or broken target), or τ near the block size."""
+warning where τ cannot mean what it seems to: answers the target regenerated as a loop of a
+few tokens (a random or broken target), or τ near the block size."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import shlex
 
 from dflash.io import read_json
 
-# warn when this share of training rows is one token repeated (tokenize's `one_token_repeated`)
-REPEATED_WARN_SHARE = 0.5
+# warn when this share of training rows loops over a few tokens (tokenize's `repetitive_rows`)
+LOOP_WARN_SHARE = 0.5
 # a τ this close to the block size is too good for a real target: check the answers
 TAU_WARN_SHARE = 0.9
 
@@ -34,10 +34,10 @@ def degenerate_warning(tokenized: dict | None, tau_macro: float, block_size: int
     """A warning that the figures mean nothing, or None."""
     reasons = []
     if tokenized:
-        repeated, rows = tokenized.get("one_token_repeated", 0), tokenized.get("rows_out", 0)
-        if rows and repeated >= REPEATED_WARN_SHARE * rows:
+        looping, rows = tokenized.get("repetitive_rows", 0), tokenized.get("rows_out", 0)
+        if rows and looping >= LOOP_WARN_SHARE * rows:
             reasons.append(
-                f"{repeated} of {rows} training rows are one token repeated (the target's"
+                f"{looping} of {rows} training rows loop over a few tokens (the target's"
                 " regenerated answers are degenerate: a random, untrained or broken target?)"
             )
     if tau_macro >= TAU_WARN_SHARE * block_size:
