@@ -370,10 +370,12 @@ def test_compare_reads_a_results_folder_without_a_record(run_a, run_b):
         manifest.with_suffix(".bak").rename(manifest)
 
 
-def test_the_html_report_carries_the_run_record(run_a):
+def test_the_html_report_carries_the_run_record_and_the_rule_graph(run_a):
     run_a.run("--report", "report.html")
     html = (run_a.workdir / "report.html").read_text()
     assert "MANIFEST.json" in html and "Run record" in html
+    # Snakemake's report draws the rule graph: its edges are in the page
+    assert '"sourcerule": "train", "targetrule": "eval_acceptance"' in html
 
 
 def test_a_changed_training_key_really_retrains(run_b):
