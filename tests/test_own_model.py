@@ -69,7 +69,8 @@ def test_ones_own_model_and_chats_run_end_to_end_from_the_cpu_example(own_run):
     results = own_run.results
     drafter = json.loads((results / "drafter" / "config.json").read_text())
     assert drafter["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1]}
-    assert "drafter.max_anchors 8" in (results / "logs" / "train.log").read_text()
+    train_log = (results / "logs" / "train.log").read_text()
+    assert "drafter.max_anchors 8 (data.token_budget: auto -> 4096" in train_log
 
     expanded = json.loads((results / "data" / "expanded" / "report.json").read_text())
     assert expanded["sources"]["chats"]["dropped"] == {}  # tool calls were all wrong_shape
