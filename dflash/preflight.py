@@ -127,7 +127,8 @@ def results_belong_to_this_config(run: Run) -> str | None:
         return None
     from dflash import run_owner
 
-    return run_owner.check(run.config, run.configfile_names, run.workdir / run.results)
+    folder = run.workdir / run.results
+    return run_owner.check(run.config, run.configfile_names, folder, str(run.results))
 
 
 def init_drafter_fits(run: Run) -> None:

@@ -99,10 +99,12 @@ def _option(files: list[str]) -> str:
     return f"--configfile {' '.join(files)}" if files else "no --configfile (the embedded default)"
 
 
-def check(config: dict, configfiles: list[str], results: Path) -> str | None:
+def check(config: dict, configfiles: list[str], results: Path, name: str = "") -> str | None:
     """Refuse a config that makes something else than the run in `results` (UserError), or
-    return a note when the run's own config files have changed since it started."""
+    return a note when the run's own config files have changed since it started. `name`: the
+    folder as the config names it (default: `results`)."""
     found = recorded(results)
+    shown_results = name or str(results)
     if found is None or str(config.get("overwrite_results")).lower() == "true":
         return None
     files, old = found
@@ -114,12 +116,12 @@ def check(config: dict, configfiles: list[str], results: Path) -> str | None:
     )
     if files is not None and files == configfiles:
         return (
-            f"{results}/ holds a run of {_named(files)} as it was then; changed since: {shown}"
+            f"{shown_results}/ holds a run of {_named(files)} as it was then; changed since: {shown}"
             " (what depends on them is made again)"
         )
     keep = _option(files) if files is not None else "the config that made it"
     raise UserError(
-        f"{results}/ holds a run of {_named(files)}, and this command's config"
+        f"{shown_results}/ holds a run of {_named(files)}, and this command's config"
         f" ({_named(configfiles)}) makes something else: {shown}. To keep working on that run,"
         f" give it {keep}; to start another run beside it, set `results:` in your config to"
         f" another folder; to make this config's outputs over it, add --config"

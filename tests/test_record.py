@@ -284,8 +284,8 @@ def test_compare_cli_text_and_json(run_a, run_b, tmp_path):
     assert bad.returncode == 1 and "neither a MANIFEST.json nor a results folder" in bad.stderr
 
 
-def planned(flow: Workflow, config: str = "tiny.yaml") -> set[str]:
-    return set(flow.planned_jobs("all", config=config)) - {"all"}
+def planned(flow: Workflow, config: str = "tiny.yaml", *args: str) -> set[str]:
+    return set(flow.planned_jobs("all", *args, config=config)) - {"all"}
 
 
 def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[str]:
@@ -340,7 +340,7 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     config["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(config))
-    assert planned(flow, "lr.yaml") == DOWNSTREAM_OF_TRAINING
+    assert planned(flow, "lr.yaml", *OVER) == DOWNSTREAM_OF_TRAINING  # told: another config
 
     data_rules = {"expand_dataset", "regenerate_shard", "regenerate", "tokenize", "length_stats"}
     # the compile warmup's shapes come from the config, not the data: it does not rerun

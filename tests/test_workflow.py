@@ -204,6 +204,12 @@ def test_the_documented_graph_commands_run_and_the_rule_graph_is_current(tiny_wo
     flow = tiny_workflow
     dag = flow.run("stats", "--dag").stdout
     assert dag.lstrip().startswith("digraph") and dag.count("->") >= 5
+    # README's two pictures of the jobs: with graphviz (which it says how to install) and without
+    readme = (REPO / "README.md").read_text()
+    assert "--dag | dot -Tsvg > dag.svg" in readme and "apt-get install graphviz" in readme
+    assert "all --dag mermaid-js > dag.mmd" in readme
+    jobs = flow.run("stats", "--dag", "mermaid-js").stdout
+    assert "flowchart TB" in jobs and len(mermaid_edges(jobs)) >= 5
     drawn = mermaid_edges(flow.run("all", "--rulegraph", "mermaid-js").stdout)
     doc = (REPO / "docs" / "workflow.md").read_text()
     block = doc.split("```mermaid", 1)[1].split("```", 1)[0]
