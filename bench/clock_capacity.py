@@ -25,7 +25,7 @@ from dflash.eval.decode import DrafterProposer  # noqa: E402
 from dflash.eval.probe import probe_steps  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--config", default="bench/configs/smollm2-135m")
+p.add_argument("--config", default="config/models/smollm2-135m")
 p.add_argument("--capacities", default="1024,2048,4096,8192,16384")
 p.add_argument("--span-rows", default="0,256", help="0: every step reads the whole cache")
 p.add_argument("--drafter-layers", type=int, default=5)

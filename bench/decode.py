@@ -14,7 +14,7 @@ eval and the public DFlash benchmark do; the first prompt of each pair is decode
     python bench/decode.py --target results/target/hf --drafter results/drafter \
         --config config/h200.yaml --held-out results/data/expanded/eval.parquet --prompts 16
     # no run needed: random-init target of a shape, random drafter, random prompts
-    python bench/decode.py --target-config bench/configs/smollm2-135m --prompts 8
+    python bench/decode.py --target-config config/models/smollm2-135m --prompts 8
 """
 
 from __future__ import annotations

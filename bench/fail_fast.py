@@ -3,7 +3,7 @@ then freeze (SIGSTOP) or kill (SIGKILL) the target rank after the second checkpo
 how long the run takes to exit and with what message. The CPU tests do the same with gloo; this
 checks the NCCL path on GPUs.
 
-    python bench/fail_fast.py --target-config bench/configs/smollm2-135m --mode stop --timeout 10
+    python bench/fail_fast.py --target-config config/models/smollm2-135m --mode stop --timeout 10
 """
 
 from __future__ import annotations

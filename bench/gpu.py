@@ -5,7 +5,7 @@
     python bench/gpu.py --small --device cpu           # tiny shapes: checks the script's logic
 
 On whatever GPUs it finds, with random-init models of real shapes (a Qwen3-8B-shaped target from
-bench/qwen3-8b-config and its 5-layer B=16 drafter) and rows whose lengths are uniform in
+config/models/qwen3-8b and its 5-layer B=16 drafter) and rows whose lengths are uniform in
 (0.6 L, L] (L = 2560: mean 2048 tokens, one bucket), it measures side by side, in this order:
 
 1. ceilings: a bf16 8192^3 matmul on random data and a device-to-device copy;
@@ -168,7 +168,7 @@ class Bench(BenchBase, TargetSection, CESection, DrafterSection, WarmSection, Pi
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target-config", default=str(HERE / "qwen3-8b-config"))
+    p.add_argument("--target-config", default=str(HERE.parent / "config/models/qwen3-8b"))
     p.add_argument("--length", type=int, default=2560, help="bucket length L")
     p.add_argument("--anchors", default="512,256", help="micro-batch anchors, pipeline anchors")
     p.add_argument("--micro-batch", type=int, default=2, help="rows per step at the 1st anchors")

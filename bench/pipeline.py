@@ -8,7 +8,7 @@ drafter time split, peak memory and the verdict of the run summary.
     python bench/pipeline.py --target results/target/hf \
         --data results/data/tokenized/train.parquet --config config/config.yaml --topologies 1+1,0+1
     # GPU, random-init target of a given shape and synthetic rows of one bucket
-    python bench/pipeline.py --target-config bench/configs/smollm2-135m --length 1024 \
+    python bench/pipeline.py --target-config config/models/smollm2-135m --length 1024 \
         --rows 2048 --topologies 1+1,0+1,0+2
 
 Weights do not matter for speed, so `--target-config` builds a random target of that shape.

@@ -1,9 +1,9 @@
 """The static regeneration engine's decode step, per batch x cache capacity: where its time goes.
 
     python bench/regen_step.py --target results/target/hf
-    python bench/regen_step.py --target-config bench/configs/smollm2-135m   # random weights
+    python bench/regen_step.py --target-config config/models/smollm2-135m   # random weights
 
-    python bench/regen_step.py --target-config bench/qwen3-8b-config --attention flex \
+    python bench/regen_step.py --target-config config/models/qwen3-8b --attention flex \
         --compiled 0 1 --shapes 128x1280 128x3584 1x1280 --no-prefill   # fused against not
 
 Times one `BatchedGreedy.step()` (CUDA-graph replay + host sync) against the same step run

@@ -5,7 +5,7 @@ the whole target on one: do the features agree, and what does sharding cost per 
     torchrun --standalone --nproc-per-node N bench/sharded_target.py [--out results.json]
     torchrun --standalone --nproc-per-node 2 bench/sharded_target.py --tiny   # CPU, gloo
 
-With random weights of real shapes (bench/qwen3-8b-config by default, made on the machine from
+With random weights of real shapes (config/models/qwen3-8b by default, made on the machine from
 one seed; `--save DIR` writes them and loads the shards back as training does, each rank reading
 only its slices), truncated to the deepest layer a 5-layer drafter reads (34 of 36 layers):
 
@@ -126,7 +126,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(HERE / "qwen3-8b-config"), help="target config dir")
+    p.add_argument(
+        "--config", default=str(HERE.parent / "config/models/qwen3-8b"), help="target config dir"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU): checks the logic")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=2048)

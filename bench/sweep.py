@@ -7,7 +7,7 @@ compare their learning curves (loss and held-out tau_sim against training tokens
 
 `start` writes `<results>/sweep/<name>/config.yaml` (the config with the variant's dotted keys
 set, values read as YAML), links the base folder's `target` and `data` into it, and starts
-`bench/stages.sh ... train` (or `--stages train eval ddtree`) there in the background: each
+`tools/gpu-box/stages.sh ... train` (or `--stages train eval ddtree`) there in the background: each
 variant its own process (a small target leaves most of an H200 idle to one). Everything stays
 inside the results folder, which is ignored: a lent GPU box removes files git would track when
 the next call's working tree arrives. `collect` reads every variant's metrics (the live ones of
@@ -62,7 +62,12 @@ def start(args) -> None:
         config = with_overrides(yaml.safe_load(Path(args.config).read_text()), pairs)
         (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         log = open(folder / "sweep.log", "a")
-        cmd = ["bash", str(ROOT / "bench/stages.sh"), str(folder / "config.yaml"), str(folder)]
+        cmd = [
+            "bash",
+            str(ROOT / "tools/gpu-box/stages.sh"),
+            str(folder / "config.yaml"),
+            str(folder),
+        ]
         subprocess.Popen(
             [*cmd, *args.stages],
             stdout=log,
@@ -142,7 +147,7 @@ def main() -> None:
         "--stages",
         nargs="+",
         default=["train"],
-        help="bench/stages.sh stages per variant, e.g. train eval (default: train)",
+        help="tools/gpu-box/stages.sh stages per variant, e.g. train eval (default: train)",
     )
     s.add_argument(
         "--variant", nargs="+", action="append", required=True, metavar=("NAME", "KEY=VALUE")

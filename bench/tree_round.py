@@ -28,7 +28,7 @@ from dflash.eval.decode import DrafterProposer  # noqa: E402
 from dflash.eval.sessions import StaticSession  # noqa: E402
 
 p = argparse.ArgumentParser()
-p.add_argument("--config", default="bench/configs/smollm2-135m")
+p.add_argument("--config", default="config/models/smollm2-135m")
 p.add_argument("--reps", type=int, default=200)
 p.add_argument("--out")
 args = p.parse_args()

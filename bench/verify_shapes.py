@@ -17,7 +17,7 @@ from dflash.eval.sessions import StaticSession
 from dflash.model.target import default_layer_ids
 
 p = argparse.ArgumentParser()
-p.add_argument("--config", default="bench/configs/smollm2-135m")
+p.add_argument("--config", default="config/models/smollm2-135m")
 p.add_argument("--first", default="1,16", help="lengths met first, in order")
 p.add_argument("--time", default="16,1", help="lengths timed after them")
 p.add_argument("--reps", type=int, default=200)

@@ -47,7 +47,9 @@ def child(cache: str) -> None:
 
     config = warm_config(5, 256, 151669)
     t0 = time.perf_counter()
-    records, setup = warm_shapes(Path(__file__).parent / "qwen3-8b-config", config, SHAPES, steps=3)
+    records, setup = warm_shapes(
+        Path(__file__).resolve().parents[1] / "config/models/qwen3-8b", config, SHAPES, steps=3
+    )
     print(
         json.dumps(
             {

@@ -52,6 +52,7 @@ VOLATILE = (
     "artefacts.manifests/eval_acceptance.json",
     "artefacts.manifests/eval_ddtree.json",
     "artefacts.manifests/eval_vllm.json",
+    "artefacts.manifests/report.json",
 )
 
 # Working state under results/ that no rule declares as an output: never recorded or verified.

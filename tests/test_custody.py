@@ -158,3 +158,38 @@ def test_a_truncated_drafter_is_trained_again_before_the_evaluation_reads_it(
     planned = flow.planned_jobs("all")
     assert {"train", "eval_acceptance", "eval_ddtree", "record"} <= planned.keys()
     assert "train" in flow.planned_jobs("data")
+
+
+@pytest.mark.slow
+def test_a_hand_edited_summary_is_made_again_and_never_recorded(tiny_workflow, tmp_path):
+    """`report` keeps a stage manifest like every stage: an edited summary.md is named at the
+    next planning, moved aside and written again by report, so the record never holds it and
+    `verify` passes again."""
+    tiny_workflow.run("all")
+    flow = copy_run(tiny_workflow, tmp_path / "work")
+    summary = flow.results / "summary.md"
+    good = summary.read_bytes()
+    summary.write_text(good.decode().replace("τ = ", "τ = 9", 1))
+    done = flow.run("all")
+    log = done.stdout + done.stderr
+    assert "results/summary.md is not what its producer wrote" in log
+    assert "rule report:" in log
+    assert summary.read_bytes() == good
+    assert flow.run("verify").returncode == 0
+
+
+@pytest.mark.slow
+def test_a_cut_short_run_record_is_made_again_by_the_command_verify_gives(tiny_workflow, tmp_path):
+    tiny_workflow.run("all")
+    flow = copy_run(tiny_workflow, tmp_path / "work")
+    record = flow.results / "MANIFEST.json"
+    cut = record.read_bytes()[:100]
+    record.write_bytes(cut)
+    done = flow.run("verify", check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and "is not a run record" in said
+    assert "`snakemake --cores all all` writes it again" in said
+    log = flow.run("all")  # the command the message gives
+    assert "rule record:" in log.stdout + log.stderr
+    assert flow.run("verify").returncode == 0
+    assert (flow.results / "work/damaged/MANIFEST.json").read_bytes() == cut  # kept for a look

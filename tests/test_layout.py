@@ -5,6 +5,7 @@ function counts as much as one at the top of a file."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,68 @@ def test_no_module_over_400_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+REPO = PACKAGE.parent
+
+
+def test_bench_holds_benchmarks_only_and_the_product_reads_nothing_from_it():
+    """The tooling that moves files to and from a GPU host without network lives in
+    tools/gpu-box/, the model configs the product reads in config/models/; what the product's
+    code, workflow and configs name under bench/ is a benchmark script or a result they cite."""
+    bench = REPO / "bench"
+    assert not sorted(bench.glob("*.sh")), "shell tooling belongs in tools/gpu-box/"
+    assert not [p.name for p in bench.rglob("*carry*")]
+    assert not [p for p in bench.iterdir() if p.is_dir() and p.name not in ("results",)]
+    product = [
+        *PACKAGE.rglob("*.py"),
+        *(REPO / "workflow").rglob("*"),
+        *(REPO / "config").rglob("*"),
+    ]
+    for path in product:
+        if path.is_file() and path.suffix in (".py", ".smk", ".yaml", ".json", ""):
+            for ref in re.findall(r"(?<![\w-])bench/[\w./-]*\w", path.read_text(errors="replace")):
+                ok = ref.endswith(".py") or ref.startswith("bench/results")
+                assert ok, f"{path.relative_to(REPO)} reads {ref} from bench/"
+
+
+def test_the_gpu_box_scripts_parse_edit_no_git_metadata_and_name_no_machine_of_ours():
+    import subprocess
+
+    box = REPO / "tools" / "gpu-box"
+    scripts = sorted(box.glob("*.sh"))
+    assert {"h200.sh", "h200-carry.sh", "stages.sh"} <= {p.name for p in scripts}
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        text = script.read_text()
+        assert ".git/info" not in text, script.name
+        assert not re.search(r"(^|[\s\"'=(])/work/", text, flags=re.M), script.name  # ours
+        assert "bench/h200" not in text and "bench/stages" not in text, script.name
+    assert "/.carry*/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_readme_tree_names_every_folder_of_the_repository_and_the_package():
+    readme = (REPO / "README.md").read_text()
+    tree = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    named, parent = set(), ""
+    for line in tree.splitlines():
+        if not line.strip():
+            continue
+        name = line.split()[0].rstrip("/")
+        if line.startswith("  "):
+            name = f"{parent}/{name}"
+        else:
+            parent = name
+        named |= {"/".join(name.split("/")[: i + 1]) for i in range(name.count("/") + 1)}
+    for name in named:
+        assert (REPO / name).is_dir(), f"README's layout names {name}/, which does not exist"
+    listed = subprocess_lines(["git", "-C", str(REPO), "ls-files"])
+    folders = {p.split("/")[0] for p in listed if "/" in p and not p.startswith(".")}
+    folders |= {f"dflash/{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders - {"resources"} <= named, folders - named
+
+
+def subprocess_lines(cmd: list[str]) -> list[str]:
+    import subprocess
+
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()

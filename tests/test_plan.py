@@ -48,8 +48,8 @@ def stage(summary: dict, name: str) -> dict:
 
 def test_presets_match_their_bench_configs_and_published_parameter_counts():
     for name, path in (
-        ("qwen3-8b", "bench/qwen3-8b-config"),
-        ("smollm2-135m", "bench/configs/smollm2-135m"),
+        ("qwen3-8b", "config/models/qwen3-8b"),
+        ("smollm2-135m", "config/models/smollm2-135m"),
     ):
         cfg = json.loads((REPO / path / "config.json").read_text())
         assert Shape.from_config(cfg, path) == Shape.from_config(PRESETS[name], name)
@@ -259,14 +259,14 @@ def run_folder(tmp_path) -> Path:
     target = "../resources/target/SmolLM2-135M-Instruct-Q8_0-0123456789ab"
     write(
         r / target / "hf/config.json",
-        (REPO / "bench/configs/smollm2-135m/config.json").read_text(),
+        (REPO / "config/models/smollm2-135m/config.json").read_text(),
     )
     write(r / "MANIFEST.json", json.dumps({"inputs": {"target": {"path": target, "sha256": {}}}}))
     frame = pl.DataFrame({"length": [1000, 1200, 800, 1400], "trainable": [800, 1000, 600, 1200]})
     stats = length_stats(frame, [512, 1024, 2048], 2048, 16384, 64)
     write(r / "data/stats/stats.json", json.dumps(stats))
     gpu = {"gpus": {"count": 1, "models": ["NVIDIA H200"], "driver": "580.159.04"}}
-    train_params = {  # the config subset the train rule passes (dflash.stages.TRAINING_CONFIG)
+    train_params = {  # the keys training's outputs depend on (dflash.stages), as its manifest has them
         "seed": 0,
         "target": {"mask_token_id": 3},
         "drafter": {"num_layers": 5, "block_size": 16, "max_anchors": 96},
@@ -279,7 +279,8 @@ def run_folder(tmp_path) -> Path:
         r / "manifests/train.json",
         json.dumps({"stage": "train", "params": train_params, "environment": gpu}),
     )
-    regen_params = {"batch_size": 1024, "max_new_tokens": 512, "engine": "auto"}
+    regenerate = {"batch_size": 1024, "max_new_tokens": 512, "engine": "auto"}
+    regen_params = {"data": {"regenerate": regenerate, "max_length": 2048}, "shard": 0, "shards": 1}
     write(r / "manifests/regenerate_train_0.json",
           json.dumps({"stage": "regenerate", "params": regen_params, "environment": gpu}))  # fmt: skip
     step = {"loss": 5.0, "tau": 2.0, "acc": [0.5], "tokens_per_s": 300000.0,

@@ -106,8 +106,8 @@ def test_the_mask_token_is_the_configured_one_or_an_unused_special_and_must_fit(
     from dflash.errors import UserError
 
     assert resolve_mask_token(target_dir, 3) == 3
-    # a configured id needs no tokenizer (bench/configs: a config.json alone, random weights)
-    config_only = Path(__file__).resolve().parents[1] / "bench/configs/smollm2-135m"
+    # a configured id needs no tokenizer (config/models: a config.json alone, random weights)
+    config_only = Path(__file__).resolve().parents[1] / "config/models/smollm2-135m"
     assert resolve_mask_token(config_only, 3) == 3
     # SmolLM2's tokenizer has no mask token: the first special token its template never emits
     assert resolve_mask_token(target_dir, None) == 3

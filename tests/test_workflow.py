@@ -287,15 +287,19 @@ def test_param_changes_rerun_only_what_depends_on_them(tiny_workflow):
 
 def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
     flow = tiny_workflow
-    for module, expected in (
-        ("normalize.py", DATA_RULES),  # expand imports it: everything after expand reruns
-        ("stats.py", {"length_stats"}),  # only the stats rule imports it
+    for module, expected, first in (
+        # expand imports it: everything after expand reruns
+        ("normalize.py", DATA_RULES, "expand_dataset"),
+        ("stats.py", {"length_stats"}, "length_stats"),  # only the stats rule imports it
     ):
         path = flow.repo / "dflash" / "data" / module
         original = path.read_text()
         try:
             path.write_text(original + "\n# an edit\n")
             assert set(flow.planned_jobs("stats")) - {"stats"} == expected, module
+            # the reason names the file, before and after
+            why = reasons(flow.run("-n", "stats").stdout)[first]
+            assert why.count(f"code dflash/data/{module} ") == 2, why
         finally:
             path.write_text(original)
     assert flow.planned_jobs("stats") == {}
@@ -542,6 +546,42 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert planned == {"eval_acceptance", "eval_ddtree", "report", "record"}
 
 
+def reasons(out: str) -> dict[str, str]:
+    """Rule -> the reason a dry run gives for its (last) job."""
+    found, rule = {}, None
+    for line in out.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+        elif line.strip().startswith("reason:") and rule:
+            found[rule] = line.split("reason:", 1)[1].strip()
+    return found
+
+
+def test_reruns_are_as_narrow_as_the_change_and_the_reason_names_it(tiny_workflow):
+    """Keys no output depends on (trackers, checkpoint cadence, timeouts, parallelism) rerun
+    nothing, not even the record; a DDTree-only key reruns the tree evaluation and what reads it,
+    never eval_acceptance; the dry run's reason names the key and its two values."""
+    import yaml
+
+    flow = tiny_workflow
+    flow.run("all")
+    config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
+    config["train"] |= {"tensorboard": False, "checkpoint_every": 3, "timeout_s": 120}
+    config["data"]["num_proc"] = 2
+    (flow.workdir / "inert.yaml").write_text(yaml.safe_dump(config))
+    assert flow.planned_jobs("all", config="inert.yaml") == {}
+
+    config["eval"]["ddtree"]["budgets"] = [4, 8]
+    (flow.workdir / "tree.yaml").write_text(yaml.safe_dump(config))
+    out = flow.run("-n", "all", config="tree.yaml").stdout
+    assert set(flow.planned_jobs("all", config="tree.yaml")) == {
+        "eval_ddtree", "report", "record", "all"
+    }  # fmt: skip
+    why = reasons(out)["eval_ddtree"]
+    assert "before: 'eval.ddtree.budgets=[4, 16]' now: 'eval.ddtree.budgets=[4, 8]'" in why
+    assert len(why) < 300, why  # the key, not the config subset
+
+
 def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_workflow, tmp_path):
     """eval.baselines leaves the untrained drafter out (the summary does without it),
     eval.ddtree.max_prompts decodes trees and chain on the first prompts of each set only, and
@@ -556,7 +596,9 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
     flow = tiny_workflow
     flow.run("all")
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
-    config["eval"] |= {"baselines": ["lookup"], "with_lookup": False}
+    # one prompt: bf16 runs 50-170x slower on a CPU without bf16 units (this test took
+    # 694 s on a loaded 2-core EPYC with two prompts)
+    config["eval"] |= {"baselines": ["lookup"], "with_lookup": False, "max_prompts": 1}
     config["eval"]["ddtree"] = {"budgets": [4], "max_prompts": 1, "with_lookup": True}
     config["eval"]["dtype"] = "bfloat16"  # as a serving engine decodes: near ties forgiven
     r = flow.results
@@ -573,7 +615,7 @@ def test_baselines_the_ddtree_subset_and_the_eval_dtype_are_configurable(tiny_wo
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
     acc = json.loads((tmp_path / "eval.json").read_text())
-    assert set(acc["baselines"]) == {"target", "lookup"} and acc["n_prompts"] == 2
+    assert set(acc["baselines"]) == {"target", "lookup"} and acc["n_prompts"] == 1
     assert acc["dtype"] == "bfloat16" and isinstance(acc["near_ties"], dict)
     tree = json.loads((tmp_path / "ddtree.json").read_text())
     assert tree["n_prompts"] == 1 and [r["budget"] for r in tree["results"]] == [7, 4, 4]

@@ -19,7 +19,6 @@ from dflash.data.normalize import BadRow, chars, clean, conversation_id, from_te
 from dflash.data.sources import DataError, SourceInfo, read_source
 from dflash.data.textmatch import normalized, probe, searchable, user_turns
 from dflash.io import atomic_path, write_json
-from dflash.manifest import write_manifest
 
 # Rows malformed as input (as opposed to well-formed rows we choose to filter out).
 MALFORMED = {
@@ -267,12 +266,3 @@ def run(args) -> None:
         dict(repaired),
         dict(dropped),
     )
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "expand",
-            {},
-            {"train": args.train, "eval": args.eval, "report": args.report},
-            params={"seed": config["seed"], "data": data_cfg},
-            code=(__name__,),
-        )

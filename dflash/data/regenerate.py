@@ -36,7 +36,7 @@ from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.gpus import claim_gpu
 from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_json
-from dflash.manifest import code_hash, environment_hash, write_manifest
+from dflash.manifest import code_hash, environment_hash
 from dflash.model.decoder import supports_static
 from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token, peak_memory_gb
 
@@ -285,29 +285,13 @@ def merge_shards(input_path: Path, shard_files: list[Path], output: Path) -> Non
         frame.sort("_pos").drop("_pos").write_parquet(tmp, statistics=False)
 
 
-def run(args) -> None:
+def run(args) -> dict:
     params = dict(args.config["data"]["regenerate"])
     torch.manual_seed(0)
     rate = regenerate_shard(args, params, args.config["data"]["max_length"])
-    if args.manifest:
-        resolved = {k: rate[k] for k in ("engine", "dtype")}  # what `auto` chose here
-        write_manifest(
-            args.manifest,
-            "regenerate",
-            {"input": args.input},
-            {"output": args.output},
-            params={**params, "shard": args.shard, "shards": args.shards, "resolved": resolved},
-            code=(__name__,),
-        )
+    # the manifest records what `auto` chose here
+    return {"params": {"resolved": {k: rate[k] for k in ("engine", "dtype")}}}
 
 
 def run_merge(args) -> None:
     merge_shards(args.input, args.shard_files, args.output)
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "merge_shards",
-            {"input": args.input},
-            {"output": args.output},
-            code=(__name__,),
-        )

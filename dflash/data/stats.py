@@ -17,7 +17,6 @@ import polars as pl
 
 from dflash.data.batching import bucket_batch_size, bucket_bounds
 from dflash.io import atomic_path, read_json, write_json
-from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 QUANTILES = (0.5, 0.9, 0.99)
@@ -156,7 +155,7 @@ def plot(stats: dict, lengths: pl.Series, path: Path) -> None:
     plt.close(fig)
 
 
-def run(args) -> None:
+def run(args) -> dict | None:
     data_cfg = args.config["data"]
     frame = pl.read_parquet(args.input, columns=["id", "length", "trainable"])
     stats = length_stats(
@@ -190,18 +189,4 @@ def run(args) -> None:
         stats["batches_per_epoch"],
         100 * stats["longest_bucket_share"],
     )
-    if args.manifest:
-        params = {
-            k: data_cfg[k] for k in ("buckets", "max_length", "token_budget", "max_batch_size")
-        }
-        inputs = {"input": args.input, **({"previous": previous} if previous else {})}
-        if args.domains:
-            inputs["domains"] = args.domains
-        write_manifest(
-            args.manifest,
-            "stats",
-            inputs,
-            {"json": args.json, "plot": args.plot},
-            params=params,
-            code=(__name__,),
-        )
+    return {"inputs": {"previous": previous}} if previous else None

@@ -18,7 +18,6 @@ from dflash.data import tools
 from dflash.data.bounded import encode_bounded
 from dflash.data.sources import DataError
 from dflash.io import atomic_path, write_json
-from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +234,7 @@ def _tokenizer(path: str, auto):
     return _TOKENIZERS[path]
 
 
-def run(args) -> None:
+def run(args) -> dict | None:
     data_cfg = args.config["data"]
     frame = pl.read_parquet(args.input)
     if frame.height == 0:
@@ -272,12 +271,4 @@ def run(args) -> None:
     report_path = args.output.with_suffix(".report.json")
     write_json(report_path, report)
     log.info("tokenize: %s", report)
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "tokenize",
-            {"input": args.input, "target": args.target},
-            {"output": args.output, "report": report_path},
-            params={"max_length": data_cfg["max_length"]},
-            code=(__name__,),
-        )
+    return {"outputs": {"report": report_path}}

@@ -48,7 +48,6 @@ from dflash.eval.overlap import found_in_training
 from dflash.eval.predicted import simulated, teacher_forced_tau
 from dflash.eval.setup import LookupProposer, Setup
 from dflash.io import write_json
-from dflash.manifest import write_manifest
 from dflash.model.drafter import Drafter
 from dflash.model.memory import peak_memory_gb
 
@@ -164,22 +163,6 @@ def _check_lossless(setup: Setup, gens: dict, record: dict, output: Path) -> Non
     )
 
 
-def _manifest(args) -> None:
-    if args.manifest:
-        inputs = {"drafter": args.drafter, "held_out": args.held_out}
-        for key in ("tokenized", "train"):
-            if getattr(args, key, None):
-                inputs[key] = getattr(args, key)
-        write_manifest(
-            args.manifest,
-            args.command,
-            inputs,
-            {"output": args.output},
-            params=args.config,
-            code=(__name__,),
-        )
-
-
 def run(args) -> None:
     """results/eval/acceptance.json: the trained drafter, its baselines, tau_sim."""
     setup = Setup(args)
@@ -228,7 +211,6 @@ def run(args) -> None:
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
-    _manifest(args)
     log.info("peak GPU memory: %s GB", peak_memory_gb())
     sim = record["tau_sim"]
     match = sim.get("matching_rows", {})
@@ -306,7 +288,6 @@ def run_ddtree(args) -> None:
     }
     _check_lossless(setup, gens, record, Path(args.output))
     write_json(args.output, record)
-    _manifest(args)
     log.info("peak GPU memory: %s GB", peak_memory_gb())
     for r in rows:
         log.info("%s", {k: v for k, v in r.items() if k != "sets"})

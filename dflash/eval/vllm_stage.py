@@ -232,12 +232,6 @@ def run(args) -> None:
     record = compare(served, alone, acceptance, set(request["eos_ids"]), walked)
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
-    if args.manifest:
-        from dflash.manifest import write_manifest
-
-        inputs = {"drafter": args.drafter, "held_out": args.held_out, "acceptance": args.acceptance}
-        write_manifest(args.manifest, args.command, inputs, {"output": args.output},
-                       params=config, code=(__name__, "dflash.eval.vllm_serve"))  # fmt: skip
     a = record["acceptance_length"]
     log.info("vLLM %s: acceptance length %s macro (ours %s, %+.1f %%), %s pooled (ours %s); "
              "batch 1 %sx the target alone", record["vllm"], a["vllm_macro"], a["ours_macro"],

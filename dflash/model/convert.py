@@ -20,7 +20,6 @@ from dflash.config import expand_user
 from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.io import atomic_path, write_json
-from dflash.manifest import write_manifest
 from dflash.model.target import check_mask_token, resolve_mask_token
 from dflash.wheels import extract_folder, extract_member, fetch_wheel
 
@@ -173,12 +172,3 @@ def run(args) -> None:
     hashes = HashCache(expand_user(args.config["cache_dir"]))
     hashes.tree(args.out)
     hashes.save()
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "target",
-            {},
-            {"model": args.out, "info": args.info},
-            params={"target": args.config["target"]},
-            code=(__name__,),
-        )

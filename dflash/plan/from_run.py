@@ -90,6 +90,13 @@ def run_rates(results: Path, target: dict) -> list[dict]:
     return found
 
 
+def regeneration(manifest: dict) -> dict:
+    """data.regenerate as a regeneration shard's manifest records it (nested since the stage
+    registry; flat before)."""
+    params = manifest["params"]
+    return params.get("data", {}).get("regenerate") or params
+
+
 def run_settings(results: Path) -> dict:
     """The run's drafter and data settings, from its train manifest and warmup record: a plan
     of the same run defaults to them."""
@@ -107,7 +114,7 @@ def run_settings(results: Path) -> dict:
         }
     regenerate = results / "manifests/regenerate_train_0.json"
     if regenerate.is_file():
-        found["max_new_tokens"] = json.loads(regenerate.read_text())["params"]["max_new_tokens"]
+        found["max_new_tokens"] = regeneration(json.loads(regenerate.read_text()))["max_new_tokens"]
     warmup = results / "compile/warmup.json"
     if warmup.is_file() and (shapes := json.loads(warmup.read_text()).get("shapes")):
         found["buckets"] = len(shapes)
@@ -155,7 +162,7 @@ def _regeneration(results: Path, manifest: dict | None, data: Data | None, entry
                 seconds += rate.get("seconds", 0)
     if not (seconds and manifest and data):
         return []
-    params = manifest["params"]
+    params = regeneration(manifest)
     workload = {
         "batch": params["batch_size"],
         "prompt_tokens": data.prompt_tokens,

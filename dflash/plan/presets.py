@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # Shapes of the presets: the fields of a HF config.json that `dflash plan` reads.
 PRESETS = {
-    # bench/qwen3-8b-config/config.json (Qwen3-8B's published config, the shapes every 8B bench uses)
+    # config/models/qwen3-8b/config.json (Qwen3-8B's published config, the shapes every 8B bench uses)
     "qwen3-8b": {
         "hidden_size": 4096,
         "intermediate_size": 12288,
@@ -15,7 +15,7 @@ PRESETS = {
         "vocab_size": 151936,
         "tie_word_embeddings": False,
     },
-    # bench/configs/smollm2-135m/config.json (the embedded default's and config/h200.yaml's target)
+    # config/models/smollm2-135m/config.json (the embedded default's and config/h200.yaml's target)
     "smollm2-135m": {
         "hidden_size": 576,
         "intermediate_size": 1536,

@@ -29,10 +29,9 @@ from pathlib import Path
 from dflash.errors import UserError
 from dflash.host import STARTUP_PHASES, describe_host, process_age_s
 from dflash.io import atomic_path, write_json
-from dflash.manifest import write_manifest
 from dflash.model.drafter import save_drafter
 from dflash.model.start import init_path
-from dflash.stages import TRAINING_CODE
+from dflash.stages import ELSEWHERE
 from dflash.train import comm
 from dflash.train.batches import Batches
 from dflash.train.features import FeatureModel, drafter_config, send_held_out
@@ -92,14 +91,14 @@ def startup_split(imported_s, built_s, trainer) -> dict | None:
     return {n: round(b - a, 1) for n, a, b in zip(STARTUP_PHASES, starts, marks, strict=True)}
 
 
-def run(args) -> None:
+def run(args) -> dict | str:
     imported_s = process_age_s()  # this process's seconds so far: the interpreter and imports
     config = args.config
     t = config["train"]
     topology = Topology(**t["topology"])
     ctx = comm.init(topology, t["device"], t["timeout_s"], t["startup_timeout_s"])
     try:
-        _run(ctx, args, imported_s)
+        made = _run(ctx, args, imported_s)
     except comm.PeerError as e:
         if ctx.distributed:
             # Exit now: with a peer gone, NCCL teardown would wait on the unfinished p2p op.
@@ -109,9 +108,12 @@ def run(args) -> None:
     except UserError as e:
         raise UserError(f"{ctx.name}: {e}") from None
     ctx.close()
+    return made
 
 
-def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
+def _run(ctx: comm.Dist, args, imported_s: float | None) -> dict | str:
+    """Rank 0 returns what its stage manifest records beyond the arguments; the others, that
+    rank 0 records the run."""
     config = args.config
     data, d = config["data"], config["drafter"]
     log.info(
@@ -123,12 +125,12 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     if ctx.role[0] == "target":
         serve_features(ctx, config, args.target, batches, args.checkpoints, args.held_out)
-        return
+        return ELSEWHERE
     trainer = Trainer(ctx, config, args.target, batches, args.checkpoints, args.held_out)
     built_s = process_age_s()
     trainer.fit()
     if ctx.rank != 0:
-        return
+        return ELSEWHERE
     live = trainer.live_metrics
     save_drafter(trainer.drafter, args.out)
     lines = live.read_text().splitlines()
@@ -146,13 +148,8 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> None:
     write_json(args.summary, summary)
     with atomic_path(args.metrics) as tmp:
         tmp.write_text("".join(line + "\n" for line in lines))
-    if args.manifest:
-        init = init_path(config["drafter"]["init"])
-        write_manifest(
-            args.manifest,
-            "train",
-            {"data": args.data} | ({"init": init} if init else {}),
-            {"drafter": args.out, "metrics": args.metrics, "summary": args.summary},
-            params={**config, "world_size": ctx.topology.world},
-            code=TRAINING_CODE,
-        )
+    init = init_path(config["drafter"]["init"])
+    return {
+        "inputs": {"init": init} if init else {},
+        "params": {"world_size": ctx.topology.world},
+    }

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from dflash.data.batching import bucket_batch_size, bucket_bounds
 from dflash.io import write_json
-from dflash.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +178,3 @@ def run(args) -> None:
     record["seconds"] = round(time.perf_counter() - started, 1)
     record["cache_files"], record["cache_bytes"] = tree_size(cache)
     write_json(args.record, record)
-    if args.manifest:
-        write_manifest(
-            args.manifest,
-            "warmup",
-            {},
-            {"record": args.record},
-            params=config,
-            code=(__name__,),
-        )

@@ -14,13 +14,16 @@ from snakemake.logging import logger
 
 from dflash.config import expand_user
 from dflash.custody import damaged, pending, quarantine
+from dflash.errors import UserError
+from dflash.record import read_record
 from dflash.custody import rel as custody_rel
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
 from dflash import auto_memory, locks, run_owner
+from dflash import stages
 from dflash.errors import UserError
-from dflash.manifest import code_hash, environment_hash
+from dflash.manifest import code_files, environment_hash
 from dflash.model.start import init_identity, init_path
 
 
@@ -71,21 +74,41 @@ def content_hash(path):
     return digest
 
 
-def config_json(*paths):
-    """JSON of the named config keys ("data.regenerate", "seed", ...), nested as in the config.
+def passed(value):
+    """A param the shell command reads that is no rerun trigger: Snakemake tracks every param
+    but those derived from a job's input or output, so it is given as a function of the output.
+    For the config a stage reads (keys that change no output among them) and for places (caches,
+    resume state, the target's folder, which enters the triggers by its content)."""
 
-    Passed to the CLI as --config and used as a rule param, so a rule reruns exactly when a key
-    it reads changes, and the standalone CLI sees the same values as the workflow.
+    def param(wildcards, output):
+        return value
+
+    return param
+
+
+def stage_config(rule):
+    """The --config of a rule's stage: the keys it reads (dflash/stages), nested as in the
+    config. Passed on, not a trigger: the keys its outputs depend on are (`triggers`).
     """
-    subset = {}
-    for path in paths:
-        keys = path.split(".")
-        src, dst = config, subset
-        for key in keys[:-1]:
-            src = src[key]
-            dst = dst.setdefault(key, {})
-        dst[keys[-1]] = src[keys[-1]]
-    return param_json(subset)
+    return passed(json.dumps(stages.by_rule(rule).passed(config), sort_keys=True))
+
+
+def triggers(rule, files=None):
+    """A rule's rerun triggers, one param each, so that a dry run's reason names what changed:
+    every config key its stage's outputs depend on ("train.lr=0.0006", dflash/stages), every
+    source file of its code ("code dflash/train/loop.py <sha256>": Snakemake cannot see
+    imported modules), the installed environment (nor pip upgrades), and the files in `files`
+    (name -> sha256, or name -> {path: sha256}) by content."""
+    stage = stages.by_rule(rule)
+    found = {f"{k}={param_json(v)}" for k, v in stage.depends(config).items()}
+    found |= {f"code {p} {d}" for p, d in code_files(*stage.modules).items()}
+    found.add(f"environment {ENV_HASH}")
+    for name, digest in (files or {}).items():
+        if isinstance(digest, dict):
+            found |= {f"{name} {p} {d}" for p, d in digest.items()}
+        elif digest is not None:
+            found.add(f"{name} {digest}")
+    return {f"trigger{i}": t for i, t in enumerate(sorted(found))}
 
 
 JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -257,13 +280,15 @@ def eval_inputs():
     }
 
 
-def eval_set_hashes():
-    """sha256 of local benchmark files, so replacing one reruns the evaluation."""
-    return {
+def eval_files():
+    """What the decoding rules read by content: local benchmark files (replacing one reruns the
+    evaluation) and a user's target."""
+    sets = {
         s["path"]: content_hash(s["path"])
         for s in config["eval"]["sets"]
         if s.get("path")
     }
+    return {"eval.sets": sets, "target.path": target_fingerprint()}
 
 
 # record.smk, included last: these read the other rules' outputs
@@ -334,5 +359,16 @@ def check_custody():
                 f"dflash: {custody_rel(path)} is not what its producer wrote; moved to"
                 f" {custody_rel(moved)}, it is made again before anything reads it:"
                 f" {'; '.join(reasons)}"
+            )
+        # the run record itself (no stage manifest holds it): one cut short or emptied is
+        # moved aside too, so that the command `verify` advises writes it again
+        record = Path(R, "MANIFEST.json")
+        try:
+            if record.is_file():
+                read_record(record, "dflash")
+        except UserError as e:
+            moved = quarantine(record, Path(R))
+            logger.warning(
+                f"dflash: moved to {custody_rel(moved)}, to be written again by `record`. {e}"
             )
     return pending(outputs, Path(R))

@@ -17,23 +17,10 @@ rule warmup_compile:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=config_json(
-            "results",
-            # the drafter's shapes, not where its weights start: a new init compiles nothing
-            *(f"drafter.{key}" for key in config["drafter"] if key != "init"),
-            "compile",
-            "target.mask_token_id",
-            "data.buckets",
-            "data.max_length",
-            "data.token_budget",
-            "data.max_batch_size",
-            "train.distill",
-        ),
-        cache=COMPILE_CACHE,
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=code_hash("dflash.train.warmup"),
-        env=ENV_HASH,
+        **triggers("warmup_compile", {"target.path": target_fingerprint()}),
+        config=stage_config("warmup_compile"),
+        cache=passed(COMPILE_CACHE),
+        target=passed(TARGET),
     shell:
         "python -m dflash warmup --config {params.config:q} --target {params.target}"
         " --record {output.record} --cache-dir {params.cache}"

@@ -12,10 +12,8 @@ rule target:
     log:
         f"{RES}/logs/target/{TARGET_KEY}.log",
     params:
-        config=config_json("target", "cache_dir"),
-        model_config=random_init_config_hash(),
-        code=code_hash("dflash.model.convert", "dflash.model.random_target"),
-        env=ENV_HASH,
+        **triggers("target", {"target.random_init.config": random_init_config_hash()}),
+        config=stage_config("target"),
     shell:
         "python -m dflash target --config {params.config:q} --out {output.model}"
         " --info {output.info} --manifest {output.manifest} > {log} 2>&1"
@@ -31,20 +29,8 @@ rule expand_dataset:
     log:
         f"{R}/logs/expand_dataset.log",
     params:
-        config=config_json(
-            "seed",
-            "cache_dir",
-            "data.sources",
-            "data.on_bad_row",
-            "data.max_turns",
-            "data.max_chars",
-            "data.domain_rows",
-            "data.train_rows",
-            "data.eval_rows",
-        ),
-        local_sources=local_source_hashes(),
-        code=code_hash("dflash.data.expand"),
-        env=ENV_HASH,
+        **triggers("expand_dataset", {"data.sources": local_source_hashes()}),
+        config=stage_config("expand_dataset"),
     shell:
         "python -m dflash expand --config {params.config:q} --train {output.train}"
         " --eval {output.eval} --report {output.report} --manifest {output.manifest} > {log} 2>&1"
@@ -71,14 +57,11 @@ rule regenerate_shard:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        # cache_dir: the file hashes of the target (dflash/filehash.py) that resuming checks
-        config=config_json("data.regenerate", "data.max_length", "cache_dir"),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        workdir=f"{R}/work/regenerate/{{split}}",
-        shards=SHARDS,
-        code=code_hash("dflash.data.regenerate"),
-        env=ENV_HASH,
+        **triggers("regenerate_shard", {"target.path": target_fingerprint()}),
+        config=stage_config("regenerate_shard"),
+        target=passed(TARGET),
+        workdir=lambda wildcards, output: f"{R}/work/regenerate/{wildcards.split}",
+        shards=passed(SHARDS),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash regenerate --config {params.config:q}"
         " --target {params.target} --input {input.rows} --output {output.shard}"
@@ -100,10 +83,9 @@ rule regenerate:
     log:
         f"{R}/logs/regenerate_{{split}}.log",
     params:
-        code=code_hash("dflash.data.regenerate"),
-        env=ENV_HASH,
+        **triggers("regenerate"),
     shell:
-        "python -m dflash merge-shards --config '{{}}' --input {input.rows}"
+        "python -m dflash merge-shards --input {input.rows}"
         " --shard-files {input.shards} --output {output.rows} --manifest {output.manifest}"
         " > {log} 2>&1"
 
@@ -121,11 +103,9 @@ rule tokenize:
         f"{R}/logs/tokenize_{{split}}.log",
     threads: config["data"]["num_proc"]
     params:
-        config=config_json("data.max_length", "data.num_proc"),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=code_hash("dflash.data.tokenization"),
-        env=ENV_HASH,
+        **triggers("tokenize", {"target.path": target_fingerprint()}),
+        config=stage_config("tokenize"),
+        target=passed(TARGET),
     shell:
         "python -m dflash tokenize --config {params.config:q} --target {params.target}"
         " --input {input.rows} --output {output.rows} --manifest {output.manifest} > {log} 2>&1"

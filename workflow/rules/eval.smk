@@ -2,17 +2,6 @@
 # baselines, DDTree, and the report a person reads first (results/summary.md).
 
 
-# cache_dir: where eval sets given as pinned wheels are fetched to.
-VLLM_CONFIG = config_json("seed", "drafter", "eval", "cache_dir")
-# eval_acceptance and eval_ddtree do not read eval.vllm: changing it reruns eval_vllm alone
-EVAL_CONFIG = json.dumps(
-    {
-        **json.loads(VLLM_CONFIG),
-        "eval": {k: v for k, v in config["eval"].items() if k != "vllm"},
-    },
-    sort_keys=True,
-)
-EVAL_CODE = code_hash("dflash.eval.run")
 # vLLM serves the drafter where it is installed on a GPU host (eval.vllm.enabled: auto), or always
 WITH_VLLM = config["eval"]["vllm"]["enabled"] is True or (
     config["eval"]["vllm"]["enabled"] == "auto"
@@ -37,13 +26,10 @@ rule eval_acceptance:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=EVAL_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_acceptance", eval_files()),
+        config=stage_config("eval_acceptance"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=EVAL_CODE,
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash eval --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
@@ -64,13 +50,10 @@ rule eval_ddtree:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=EVAL_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_ddtree", eval_files()),
+        config=stage_config("eval_ddtree"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=EVAL_CODE,
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "OMP_NUM_THREADS={threads} python -m dflash ddtree --config {params.config:q}"
         " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
@@ -93,13 +76,10 @@ rule eval_vllm:
     resources:
         gpu=1 if HAS_GPU else 0,
     params:
-        config=VLLM_CONFIG,
-        sets=eval_set_hashes(),
+        **triggers("eval_vllm", eval_files()),
+        config=stage_config("eval_vllm"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        code=code_hash("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
-        env=ENV_HASH,
+        target=passed(TARGET),
     shell:
         "python -m dflash eval-vllm --config {params.config:q} --target {params.target}"
         " --drafter {params.drafter} --held-out {input.held_out}"
@@ -120,19 +100,20 @@ rule report:
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
+        manifest=f"{R}/manifests/report.json",
     log:
         f"{R}/logs/report.log",
     params:
+        **triggers("report"),
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
+        # the summary names the drafter and the target to serve it with
         drafter=DRAFTER,
         serve_target=SERVE_TARGET,
-        code=code_hash("dflash.eval.report"),
-        env=ENV_HASH,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
         " --ddtree {input.ddtree}{params.vllm} --tokenized {input.tokenized}"
         " --drafter {params.drafter:q} --serve-target {params.serve_target:q}"
-        " --summary {output.summary}"
-        " --plots {params.plots} > {log} 2>&1"
+        " --summary {output.summary} --plots {params.plots}"
+        " --manifest {output.manifest} > {log} 2>&1"

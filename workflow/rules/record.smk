@@ -20,16 +20,23 @@ rule record:
     log:
         f"{R}/logs/record.log",
     params:
+        **triggers(
+            "record",
+            {
+                "source": source_files(Path(workflow.basedir)),
+                "git": json.dumps(git_state(PACKAGE_ROOT.parent), sort_keys=True),
+            },
+        ),
         results=lambda wildcards, output: os.path.dirname(output[0]),
         # relative to the working directory: moving the checkout (the working directory inside
-        # it) reruns nothing; what the workflow files hold is params.code
-        workflow_dir=os.path.relpath(workflow.basedir),
-        config=param_json(config),
-        code=source_files(Path(workflow.basedir)),
-        git=git_state(PACKAGE_ROOT.parent),
-        env=ENV_HASH,
-        artefacts=declared_outputs(),
-        inputs=[f"--input={k}={os.path.dirname(v)}" for k, v in RECORDED_INPUTS.items()],
+        # it) reruns nothing; what the workflow files hold is a trigger
+        workflow_dir=passed(os.path.relpath(workflow.basedir)),
+        config=stage_config("record"),
+        artefacts=passed(declared_outputs()),
+        inputs=passed(
+            [f"--input={k}={os.path.dirname(v)}" for k, v in RECORDED_INPUTS.items()]
+        ),
+        # the whole config but for INERT keys, every package and workflow file, the commit
     shell:
         "python -m dflash record --config {params.config:q} --results {params.results}"
         " --workflow-dir {params.workflow_dir:q} --output {output}"

@@ -16,16 +16,8 @@ rule length_stats:
     log:
         f"{R}/logs/length_stats.log",
     params:
-        config=config_json(
-            "data.buckets",
-            "data.max_length",
-            "data.token_budget",
-            "data.max_batch_size",
-            "data.previous_stats",
-        ),
-        previous=previous_stats_hash(),
-        code=code_hash("dflash.data.stats"),
-        env=ENV_HASH,
+        **triggers("length_stats", {"data.previous_stats": previous_stats_hash()}),
+        config=stage_config("length_stats"),
     shell:
         "python -m dflash stats --config {params.config:q} --input {input.rows}"
         " --domains {input.domains} --json {output.json} --plot {output.plot}"

@@ -3,7 +3,6 @@
 # Snakemake deletes declared outputs of a failed job, and a rerun of this rule resumes from the
 # newest valid checkpoint.
 
-from dflash.stages import TRAINING_CODE, TRAINING_CONFIG
 from dflash.train import launch
 
 TOPOLOGY = config["train"]["topology"]
@@ -38,7 +37,14 @@ rule train:
         # the SLURM plugin (2.8) turns `tasks` of a GPU job into --ntasks-per-gpu: 0 keeps it out
         tasks_per_gpu=0,
     params:
-        config=config_json(*TRAINING_CONFIG),
+        **triggers(
+            "train",
+            {
+                "target.path": target_fingerprint(),
+                "drafter.init": init_identity_param(),
+            },
+        ),
+        config=stage_config("train"),
         # torchrun on one node; srun starting one torchrun per node on `train.nnodes`, each
         # with the node's cores. Computed from threads, so no rerun trigger of its own
         # (train.nnodes and the topology reach the rule through `config`)
@@ -51,16 +57,12 @@ rule train:
         ),
         # the drafter's folder (derived from the output, so no rerun trigger of its own)
         drafter=lambda wildcards, output: os.path.dirname(output.drafter[0]),
-        checkpoints=f"{R}/checkpoints",
+        checkpoints=passed(f"{R}/checkpoints"),
         held_out=lambda wildcards, input: (
             f"--held-out {input.held_out}" if "held_out" in input.keys() else ""
         ),
-        target=TARGET,
-        target_files=target_fingerprint(),
-        init=init_identity_param(),
-        cache=COMPILE_CACHE,
-        code=code_hash(*TRAINING_CODE),
-        env=ENV_HASH,
+        target=passed(TARGET),
+        cache=passed(COMPILE_CACHE),
     shell:
         "TORCHINDUCTOR_CACHE_DIR={params.cache}/inductor TRITON_CACHE_DIR={params.cache}/triton"
         " OMP_NUM_THREADS={params.omp_threads}"
