@@ -23,13 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash.data.continuous import regenerate_continuous  # noqa: E402
 from dflash.data.expand import read_rows  # noqa: E402
-from dflash.data.generation import (  # noqa: E402
-    Generator,
-    plan_batches,
-    regenerate_batch,
-    regenerate_continuous,
-)
+from dflash.data.generation import Generator, plan_batches, regenerate_batch  # noqa: E402
 
 
 def _sync():

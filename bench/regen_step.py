@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash.model.engine import BatchedGreedy  # noqa: E402
+from dflash.model.batched import BatchedGreedy  # noqa: E402
 from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token  # noqa: E402
 
 SHAPES = [(256, 2560), (256, 1024), (512, 768), (512, 1024), (512, 1536), (512, 2560)]

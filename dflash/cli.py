@@ -26,7 +26,8 @@ log = logging.getLogger("dflash")
 EPILOG = """\
 A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
 tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
-ddtree (and eval-vllm where vLLM is installed), report, record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
+ddtree (sample-eval with eval.sampling's temperatures; eval-vllm where vLLM is installed), report,
+record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
 stage's arguments; docs/workflow.md has the rule behind each."""
 
 

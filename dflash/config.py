@@ -121,6 +121,73 @@ def check_sources(config: dict, source: str = "config") -> dict:
     return config
 
 
+def finetune_set(tune: dict) -> list[str]:
+    """The `train.finetune` keys set to other than their defaults (which change nothing)."""
+    default = {"lr": None, "warmup_steps": None, "freeze_layers": 0}
+    return [k for k, v in default.items() if tune.get(k, v) != v]
+
+
+def _torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed torch, read without importing it (None if unknown)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("torch").split(".")[:2]
+        return int(major), int(minor)
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+def check_levers(config: dict, source: str = "config") -> dict:
+    """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
+    together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
+    an init to fine-tune, more frozen layers than the drafter has, several answers a prompt
+    without sampling, Muon on a torch without it."""
+    d, t = config.get("drafter") or {}, config.get("train") or {}
+    wrong = []
+    if d.get("loss") == "dpace":
+        if t.get("distill"):
+            wrong.append(
+                f"drafter.loss: dpace weighs hard labels, so train.distill must be 0 "
+                f"(it is {t['distill']})"
+            )
+        if d.get("gamma") is not None:
+            wrong.append(
+                f"drafter.gamma ({d['gamma']}) is the decayed loss's; with drafter.loss: dpace "
+                f"leave it null"
+            )
+    tune = t.get("finetune") or {}
+    if d.get("init", "random") == "random" and (keys := finetune_set(tune)):
+        wrong.append(
+            f"train.finetune ({', '.join(keys)}) schedules a fine-tune, but drafter.init is "
+            f"random: set drafter.init to the drafter to fine-tune, or remove train.finetune"
+        )
+    layers = d.get("num_layers", 5)
+    if tune.get("freeze_layers", 0) > layers:
+        wrong.append(
+            f"train.finetune.freeze_layers ({tune['freeze_layers']}) is more than the drafter's "
+            f"{layers} layers (drafter.num_layers)"
+        )
+    regen = (config.get("data") or {}).get("regenerate") or {}
+    if regen.get("samples", 1) > 1 and not (
+        regen.get("enabled", True) and regen.get("temperature")
+    ):
+        wrong.append(
+            f"data.regenerate.samples ({regen['samples']}) answers a prompt need sampled "
+            f"regeneration: set data.regenerate.temperature above 0 (with "
+            f"data.regenerate.enabled), else every copy is the same answer"
+        )
+    found = _torch_version() if t.get("optimizer") == "muon" else None
+    if found is not None and found < (2, 9):
+        wrong.append(
+            f"train.optimizer: muon needs torch.optim.Muon (torch 2.9 or later); this environment "
+            f"has torch {found[0]}.{found[1]}"
+        )
+    if wrong:
+        raise ConfigError(f"{source}: {'; '.join(wrong)}")
+    return config
+
+
 def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash import locks
-from dflash.config import check_paths, check_sources, validate
+from dflash.config import check_levers, check_paths, check_sources, validate
 from dflash.errors import UserError
 
 
@@ -63,10 +63,11 @@ EMBEDDED = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 
 def config_is_valid(run: Run) -> None:
     """The schema's nested defaults filled in; every path the config names exists; held-out
-    counts and held-out eval sets name sources that exist."""
+    counts and held-out eval sets name sources that exist; training's levers go together."""
     files = run.configfile_names or [os.path.relpath(EMBEDDED, run.workdir)]
     check_paths(validate(run.config, files, run.cli_config), "the workflow config")
     check_sources(run.config, "the workflow config")
+    check_levers(run.config, "the workflow config")
 
 
 def python_is_the_environment(run: Run) -> None:

@@ -105,7 +105,7 @@ def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
 def test_the_state_a_trainer_writes_resumes_under_weights_only_loading(tmp_path):
     """What Trainer.checkpoint saves (weights, AdamW and its cosine schedule after a step, every
     drafter's RNG state) loads back whole with weights_only=True."""
-    from dflash.train.trainer import cosine_with_warmup
+    from dflash.train.optim import cosine_with_warmup
 
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95))

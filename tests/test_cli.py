@@ -23,11 +23,13 @@ RUN_ORDER = [
     "train",
     "eval",
     "ddtree",
+    "sample-eval",
     "eval-vllm",
     "report",
     "record",
     "verify",
     "compare",
+    "compute-curve",
     # tools beside the run
     "random-target",
     "plan",

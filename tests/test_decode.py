@@ -9,8 +9,9 @@ from dflash.eval.decode import DrafterProposer, Proposer, generate, generate_tre
 from dflash.eval.probe import probe_steps
 from dflash.eval.run import LookupProposer
 from dflash.eval.sessions import DrafterSession, HFSession, StaticSession
+from dflash.model.batched import BatchedGreedy
 from dflash.model.drafter import Drafter, DrafterConfig, layer_projections, layer_rest
-from dflash.model.engine import BatchedGreedy, StaticTarget
+from dflash.model.engine import StaticTarget
 from dflash.model.fused import StepPieces, fused
 from dflash.model.objective import full_attend
 

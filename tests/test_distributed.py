@@ -439,6 +439,30 @@ def test_sigkill_then_rerun_gives_identical_weights(runs, data, target_dir, tmp_
     assert weights(tmp_path) == weights(runs[(1, 1)]), f"killed after step {kill_at}"
 
 
+def test_dpace_trains_and_resumes_after_sigkill_to_the_uninterrupted_weights(
+    data, target_dir, tmp_path
+):
+    """drafter.loss dpace (issue 57) through the real trainer: in the run's contract, and a run
+    killed mid-way resumes to the uninterrupted run's steps and weights. (Muon's resume is
+    tested in test_optim.py on a small drafter: on a CPU without bf16 units torch's Muon takes
+    seconds a matrix, its Newton-Schulz iterations run in bf16.)"""
+    levers = config(0, 1)
+    levers["drafter"]["loss"] = "dpace"
+    whole = tmp_path / "whole"
+    finish(launch(levers, data, target_dir, whole, torchrun=False))
+    expected = steps(whole)
+    meta = json.loads(next(run_dir(whole).glob("step-*/meta.json")).read_text())
+    assert meta["contract"]["loss"] == {"name": "dpace", "alpha": 0.5, "norm": "blocks"}
+    kill_at = random.randint(2, len(expected) - 2)
+    run = launch(levers, data, target_dir, tmp_path, torchrun=False)
+    wait_for(tmp_path, kill_at, run)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    finish(launch(levers, data, target_dir, tmp_path, torchrun=False))
+    assert steps(tmp_path) == expected, f"killed after step {kill_at}"
+    assert weights(tmp_path) == weights(whole), f"killed after step {kill_at}"
+
+
 def test_corrupt_newest_checkpoint_falls_back_and_other_target_counts_resume(
     runs, data, target_dir, tmp_path
 ):

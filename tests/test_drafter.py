@@ -636,7 +636,7 @@ def test_target_top_init_copies_the_targets_top_layers_and_output_norm(target_di
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from dflash.model.drafter import init_from_target_top
+    from dflash.model.start import init_from_target_top
 
     cfg = DrafterConfig.for_target(AutoConfig.from_pretrained(target_dir), 2, 4, mask_token_id=3)
     model = Drafter(cfg)

@@ -296,3 +296,68 @@ def test_a_utf16_file_cut_mid_character_names_the_file(tmp_path):
     path.write_bytes(json.dumps(conv("q", "a")).encode("utf-16")[:-1])
     with pytest.raises(UserError, match=r"rows.jsonl: starts with a UTF-16 byte-order mark"):
         collect(data_config(path), tmp_path)
+
+
+def test_a_training_fraction_keeps_a_prefix_so_a_quarter_is_part_of_the_half():
+    from dflash.data.expand import first_rows
+
+    rows = [{"id": str(i)} for i in range(20)]
+    quarter, half = first_rows(rows, None, 0.25), first_rows(rows, None, 0.5)
+    assert [len(quarter), len(half)] == [5, 10] and half[:5] == quarter == rows[:5]
+    assert first_rows(rows, None, 1.0) == rows
+    assert first_rows(rows, 8, 0.5) == rows[:4]  # of data.train_rows' rows
+    assert first_rows(rows[:2], None, 0.1) == rows[:1]  # never none
+    with pytest.raises(ValueError, match="data.train_fraction"):
+        validate({"data": {"train_fraction": 0}})
+
+
+def test_several_sampled_answers_a_prompt_are_copies_with_ids_of_their_own():
+    from dflash.config import ConfigError, check_levers
+    from dflash.data.expand import with_samples
+    from dflash.data.regenerate import in_shard
+    from dflash.model.sampling import row_key
+
+    rows = [{"id": "a1b2c3d4e5f6a7b8", "source": "s"}, {"id": "0123456789abcdef", "source": "s"}]
+    assert with_samples(rows, 1) is rows
+    three = with_samples(rows, 3)
+    assert [r["id"] for r in three] == [
+        "a1b2c3d4e5f6a7b8",
+        "a1b2c3d4e5f6a7b8-s1",
+        "a1b2c3d4e5f6a7b8-s2",
+        "0123456789abcdef",
+        "0123456789abcdef-s1",
+        "0123456789abcdef-s2",
+    ]
+    assert all(r["source"] == "s" for r in three)
+    assert len({row_key(0, r["id"], 1) for r in three}) == 6  # a stream each
+    assert len({in_shard(r["id"], 0, 2) for r in three[:3]}) == 1  # a row's copies: one shard
+    sampled = {"data": {"regenerate": {"samples": 4, "temperature": 0.8}}}
+    check_levers(validate(sampled))
+    with pytest.raises(ConfigError, match=r"data.regenerate.samples \(4\) answers a prompt need"):
+        check_levers(validate({"data": {"regenerate": {"samples": 4}}}))
+
+
+def test_expand_writes_each_training_row_once_per_sample_and_counts_prompts_apart(tmp_path):
+    from dflash.cli import main
+
+    source = write_lines(
+        tmp_path / "s.jsonl", [json.dumps(conv(f"q{i}", f"a{i}")) for i in range(6)]
+    )
+    config = {
+        "data": {
+            "sources": [{"name": "s", "path": str(source)}],
+            "eval_rows": 1,
+            "regenerate": {"samples": 3, "temperature": 0.7},
+        }
+    }
+    out = tmp_path / "out"
+    args = ["expand", "--config", json.dumps(config), "--train", str(out / "train.parquet")]
+    args += ["--eval", str(out / "eval.parquet"), "--report", str(out / "report.json")]
+    assert main(args) == 0
+    train = pl.read_parquet(out / "train.parquet")
+    report = json.loads((out / "report.json").read_text())
+    assert train.height == 15 and train["id"].n_unique() == 15
+    assert train.filter(~pl.col("id").str.contains("-s"))["id"].n_unique() == 5
+    assert pl.read_parquet(out / "eval.parquet").height == 1
+    assert (report["train_rows"], report["train_prompts"], report["samples"]) == (15, 5, 3)
+    assert report["not_selected"] == 0

@@ -15,22 +15,23 @@ from dflash.data.regenerate import in_shard
 pytestmark = pytest.mark.slow
 
 
-def config(engine: str) -> str:
+def config(engine: str, temperature: float = 0.0) -> str:
     # fp32: on a CPU, a process's first bf16 forwards round differently from its later ones
     # (the same batch gave other tokens as a process's first batch than as its second), so in
     # bf16 a resumed run can differ from an uninterrupted one there
     regen = {"max_new_tokens": 12, "batch_size": 2, "dtype": "float32", "engine": engine}
-    return json.dumps({"data": {"regenerate": regen}})
+    regen |= {"temperature": temperature, "top_p": 0.95, "top_k": 0}
+    return json.dumps({"seed": 7, "data": {"regenerate": regen}})
 
 
-def regenerate(target, rows, out, workdir, engine="hf", **popen):
+def regenerate(target, rows, out, workdir, engine="hf", temperature=0.0, **popen):
     cmd = [
         sys.executable,
         "-m",
         "dflash",
         "regenerate",
         "--config",
-        config(engine),
+        config(engine, temperature),
         "--target",
         str(target),
         "--input",
@@ -43,17 +44,25 @@ def regenerate(target, rows, out, workdir, engine="hf", **popen):
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
 
 
-@pytest.mark.parametrize("engine, part", [("hf", "batch"), ("static", "done")])
+@pytest.mark.parametrize(
+    "engine, part, temperature",
+    [("hf", "batch", 0.0), ("static", "done", 0.0), ("static", "done", 0.8)],
+)
 def test_killed_run_resumes_without_loss_or_duplication(
-    tiny_workflow, target_dir, tmp_path, engine, part
+    tiny_workflow, target_dir, tmp_path, engine, part, temperature
 ):
+    """Greedy, and sampled at 0.8 (each row's stream keyed by the seed, its id and its turn):
+    the resumed run writes the very bytes of the uninterrupted one."""
     rows = tiny_workflow.results / "data" / "expanded" / "train.parquet"
     assert pl.read_parquet(rows).height == 6  # three parts of two
 
-    clean = regenerate(target_dir, rows, tmp_path / "clean.parquet", tmp_path / "w1", engine)
+    def start(out, workdir):
+        return regenerate(target_dir, rows, out, workdir, engine, temperature)
+
+    clean = start(tmp_path / "clean.parquet", tmp_path / "w1")
     assert clean.wait() == 0, clean.stderr.read()
 
-    run = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2", engine)
+    run = start(tmp_path / "resumed.parquet", tmp_path / "w2")
     deadline = time.time() + 300
     while not list((tmp_path / "w2").rglob(f"{part}-00000.jsonl")) and time.time() < deadline:
         time.sleep(0.05)
@@ -63,7 +72,7 @@ def test_killed_run_resumes_without_loss_or_duplication(
     assert finished and len(finished) < 3, f"kill came too late to test resume: {finished}"
     assert not (tmp_path / "resumed.parquet").exists()
 
-    resumed = regenerate(target_dir, rows, tmp_path / "resumed.parquet", tmp_path / "w2", engine)
+    resumed = start(tmp_path / "resumed.parquet", tmp_path / "w2")
     assert resumed.wait() == 0, resumed.stderr.read()
     a = pl.read_parquet(tmp_path / "clean.parquet")
     b = pl.read_parquet(tmp_path / "resumed.parquet")
@@ -102,9 +111,12 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
         assert row["input_ids"][-len(last) :] == last  # exactly as generated
 
 
-@pytest.mark.parametrize(("attention", "overlap"), [("sdpa", False), ("flex", True)])
+@pytest.mark.parametrize(
+    ("attention", "overlap", "temperature"),
+    [("sdpa", False, 0.0), ("flex", True, 0.0), ("flex", True, 1.0)],
+)
 def test_static_engine_regenerates_what_transformers_generate_does(
-    target_dir, tiny_workflow, attention, overlap, monkeypatch
+    target_dir, tiny_workflow, attention, overlap, temperature, monkeypatch
 ):
     """fp32 greedy: the refilled static batch gives every turn of every conversation the same
     tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
@@ -113,15 +125,14 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     fills max_prompt ending its conversation in both; with either decode-step attention (flex
     reads only each row's live key blocks), and with the host's work on a step's tokens run
     beside the next step (rows finished a step earlier must drop its tokens) or not; the
-    per-tier accounting adds up."""
+    per-tier accounting adds up. Sampled (temperature 1, top-k 20), every token is a keyed draw
+    from its row's stream: the two engines, batching and refilling rows differently, draw the
+    same answers, and not the greedy ones."""
+    from dflash.data.continuous import regenerate_continuous
     from dflash.data.expand import read_rows
-    from dflash.data.generation import (
-        Generator,
-        _prompt_ids,
-        regenerate_batch,
-        regenerate_continuous,
-    )
-    from dflash.model.engine import KV_BLOCK, BatchedGreedy
+    from dflash.data.generation import Generator, _prompt_ids, regenerate_batch
+    from dflash.model.batched import KV_BLOCK, BatchedGreedy
+    from dflash.model.sampling import Sampling
 
     # Prefill calls of 3 key blocks still pack 3 of these prompts each (flex); the GPU's
     # 8K-token calls cost 55 s of 2 CPU cores here, most of it padding.
@@ -130,7 +141,8 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     rows += read_rows(tiny_workflow.results / "data" / "expanded" / "eval.parquet")
     assert sum(r["conversations"][-1]["role"] == "assistant" for r in rows) == len(rows)
     assert any(len(r["conversations"]) > 2 for r in rows)  # multi-turn rows are in
-    gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10)
+    sampling = Sampling(temperature, top_k=20)
+    gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10, sampling=sampling, seed=3)
     # a bound far above any of these prompts: their full lengths
     full = [_prompt_ids(gen.tokenizer, r["conversations"][:-1], 1 << 20) for r in rows]
     prompt_lengths = sorted(map(len, full))
@@ -150,6 +162,9 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     )  # fmt: skip
     assert got == expected
     assert tokens == hf_tokens > 0
+    if temperature:
+        greedy, _ = regenerate_batch(Generator(target_dir, "float32", "cpu", 10), rows, max_prompt)
+        assert [c.turn_ids for c in greedy] != [c.turn_ids for c in convs]
     assert [s["tier"] for s in stats] == (tiers or [max_prompt])
     assert sum(s["turns"] for s in stats) == sum(len(c.turn_ids) for c in convs)
     for s in stats:
@@ -174,9 +189,9 @@ def test_turn_waves_regenerate_what_transformers_generate_does(target_dir, tiny_
     convs, hf_tokens = regenerate_batch(gen, rows, max_prompt)
 
     class Turns:  # VllmTurns' interface over the same model
-        tokenizer = gen.tokenizer
+        tokenizer, seed, template = gen.tokenizer, gen.seed, gen.template
 
-        def generate(self, prompts):
+        def generate(self, prompts, keys=None):
             return [gen.generate([p])[0] for p in prompts]  # one at a time: no padding
 
     got = {}

@@ -191,3 +191,40 @@ def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(
     log = (workdir / "results/logs/eval_vllm.log").read_text()
     assert "vLLM is not installed here" in log and "eval.vllm.enabled: false" in log
     assert "Traceback" not in log
+
+
+def test_vllms_acceptance_at_temperature_is_pooled_over_sets_and_seeds_beside_ours():
+    """vLLM's counters at a temperature, per seed and set, pooled over seeds and set beside
+    eval/sampling.json's pooled τ of the same rule (argmax drafts, or drafts drawn from the
+    drafter)."""
+    from dflash.eval.vllm_stage import compare_sampled
+
+    served = {
+        "greedy": [
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+             "seeds": [{"a": {"drafts": 10, "accepted": 5}, "b": {"drafts": 20, "accepted": 2}},
+                       {"a": {"drafts": 10, "accepted": 7}, "b": {"drafts": 20, "accepted": 6}}]}
+        ],
+        "probabilistic": [
+            {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
+             "seeds": [{"a": {"drafts": 4, "accepted": 4}, "b": {"drafts": 4, "accepted": 0}}]}
+        ],
+    }  # fmt: skip
+    ours = {
+        "runs": [
+            {"temperature": 1.0, "methods": {
+                "drafter": {"overall": {"tau_pooled": 1.3},
+                            "sets": {"a": {"tau_pooled": 1.5}, "b": {"tau_pooled": 1.25}}},
+                "drafter/probabilistic": {"overall": {"tau_pooled": 1.5},
+                                          "sets": {"a": {"tau_pooled": 2.0}}},
+            }}
+        ]
+    }  # fmt: skip
+    greedy, drawn = compare_sampled(served, ours)
+    assert greedy["draft_rule"] == "greedy" and greedy["seeds"] == 2
+    assert greedy["sets"]["a"]["vllm_pooled"] == 1.6  # 1 + 12 / 20
+    assert greedy["sets"]["a"]["per_seed"] == [1.5, 1.7]
+    assert greedy["sets"]["b"]["vllm_pooled"] == 1.2  # 1 + 8 / 40
+    assert greedy["sets"]["a"]["diff_pct_pooled"] == round(100 * (1.6 - 1.5) / 1.5, 2)
+    assert greedy["vllm_pooled"] == 1.3333 and greedy["diff_pct_pooled"] == 2.56
+    assert drawn["sets"]["a"]["vllm_pooled"] == 2.0 and drawn["sets"]["b"]["ours_pooled"] is None

@@ -190,6 +190,28 @@ def split(rows: list[dict], seed: int, eval_rows: int | dict, train_rows: int | 
     return train, held_out, overlap
 
 
+def first_rows(train: list[dict], count: int | None, fraction: float) -> list[dict]:
+    """The training rows kept: the first `count` (data.train_rows) of the shuffled rows, then the
+    first `fraction` of those (data.train_fraction, at least one row). A smaller fraction keeps a
+    prefix of a larger one's rows: a quarter of the data is part of the half (issue 57's τ
+    against compute trains the same recipe on both)."""
+    if count is not None:
+        train = train[:count]
+    if fraction < 1.0:
+        train = train[: max(1, round(len(train) * fraction))]
+    return train
+
+
+def with_samples(train: list[dict], samples: int) -> list[dict]:
+    """Each training row `samples` times (data.regenerate.samples), copy k > 0 with the id
+    `<id>-s<k>`: regeneration keys its sampled stream by the id, so each copy gets an answer of
+    its own. Copies follow their row (its shard too: a shard is chosen by the id's first 12 hex
+    digits)."""
+    if samples == 1:
+        return train
+    return [r if k == 0 else {**r, "id": f"{r['id']}-s{k}"} for r in train for k in range(samples)]
+
+
 def write_rows(rows: list[dict], path: Path) -> None:
     schema = {"id": pl.String, "source": pl.String, "domain": pl.String}
     frame = pl.DataFrame(rows, schema={**schema, "conversations": CONVERSATION})
@@ -225,8 +247,8 @@ def run(args) -> None:
             )
     # the mixture: each domain's training rows capped, then the total (both after the shuffle)
     train, capped = domains.cap_rows(train, data_cfg["domain_rows"])
-    if data_cfg["train_rows"] is not None:
-        train = train[: data_cfg["train_rows"]]
+    train = first_rows(train, data_cfg["train_rows"], data_cfg["train_fraction"])
+    samples = data_cfg["regenerate"]["samples"]
     if not train:
         raise DataError(f"expand: no training rows left; per-source report: {sources}")
     dropped, repaired = Counter(), Counter()
@@ -239,7 +261,8 @@ def run(args) -> None:
         "assistant_turns": sum(s["assistant_turns_kept"] for s in sources.values()),
         "dropped_total": dict(sorted(dropped.items())),
         "repaired_total": dict(sorted(repaired.items())),
-        "train_rows": len(train),
+        "train_rows": len(train) * samples,  # the rows written, copies included
+        **({"samples": samples, "train_prompts": len(train)} if samples > 1 else {}),
         "eval_rows": len(held_out),
         "eval_rows_by_source": dict(sorted(held_by_source.items())),
         # rows per domain: kept (unique), in training, held out, left out by data.domain_rows
@@ -255,7 +278,7 @@ def run(args) -> None:
         "seed": config["seed"],
     }
     with atomic_path(args.train) as t, atomic_path(args.eval) as e:
-        write_rows(train, t)
+        write_rows(with_samples(train, samples), t)
         write_rows(held_out, e)
     write_json(args.report, report)
     log.info(

@@ -7,6 +7,8 @@ earlier turns), then the next turns of the conversations that have more. A conve
 soon as its last turn is answered, in the same `done-*.jsonl` parts as the static engine's, so a
 killed run resumes without redoing it. Greedy in both engines, but not the same arithmetic: the
 tokens agree with ours until a near tie (bf16) parts them; BENCHMARKS.md says how far they agree.
+Sampled, each answer has vLLM's per-request seed from its stream key: reproducible in vLLM, but
+not the same draws as our engines' (`keyed_sample`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,17 @@ def require_vllm() -> None:
 
 
 class VllmTurns:
-    """The target in vLLM, answering lists of prompts (token ids) greedily."""
+    """The target in vLLM, answering lists of prompts (token ids), greedily or sampled."""
 
-    def __init__(self, target_dir: Path, dtype: str, max_new_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        target_dir: Path,
+        dtype: str,
+        max_new_tokens: int,
+        max_model_len: int,
+        sampling=None,
+        seed: int = 0,
+    ):
         require_vllm()
         from transformers import AutoTokenizer
         from vllm import LLM, SamplingParams
@@ -56,18 +66,32 @@ class VllmTurns:
             gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
             enable_prefix_caching=True,  # a later turn's prompt starts with the earlier turns
         )
-        self.params = SamplingParams(
-            temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos_ids
-        )
+        self.seed, self.template = seed, {}
+        s = sampling.as_dict() if sampling is not None else {"temperature": 0.0}
+        top_k = s.get("top_k") or -1  # vLLM's "every token"
 
-    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        def params(key: int | None = None):
+            return SamplingParams(temperature=s["temperature"], top_p=s.get("top_p", 1.0),
+                                  top_k=top_k, seed=key, max_tokens=max_new_tokens,
+                                  stop_token_ids=self.eos_ids)  # fmt: skip
+
+        self.params = params
+        self.greedy = s["temperature"] == 0
+
+    def generate(
+        self, prompts: list[list[int]], keys: list[int] | None = None
+    ) -> list[tuple[list[int], bool]]:
         """`Generator.generate`'s contract, for `regenerate_batch`. Per prompt: the ids as
         generated (the stop token included when it finished) and whether it finished before
-        `max_new_tokens`."""
+        `max_new_tokens`; sampled, each with vLLM's seed from its stream key."""
         from vllm.inputs import TokensPrompt
 
+        if self.greedy or keys is None:
+            params = self.params()
+        else:
+            params = [self.params(key % (1 << 63)) for key in keys]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                    self.params, use_tqdm=True)  # fmt: skip
+                                    params, use_tqdm=True)  # fmt: skip
         return [finished_ids(o.outputs[0], self.eos_ids) for o in outputs]
 
 

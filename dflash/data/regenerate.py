@@ -1,7 +1,10 @@
-"""regenerate: rewrite every assistant turn with the target's own greedy output.
+"""regenerate: rewrite every assistant turn with the target's own output, greedy or sampled.
 
 The drafter must learn the target's distribution, and evaluation measures acceptance against the
-target's greedy output, so training responses come from the target itself. The work is split into
+target's own output, so training responses come from the target itself, in the mode it will be
+served in (`data.regenerate.temperature`, top_p, top_k; `data.chat_template_kwargs`, e.g.
+thinking off). Sampled rows draw from streams keyed by the run's seed, the row and the turn
+(`dflash.data.generation`), so a rerun or a resumed run writes the same rows. The work is split into
 fixed batches planned from the whole shard (rows sorted by prompt length to limit padding); each
 finished batch is saved atomically in a work folder outside Snakemake's declared outputs. A killed
 run resumes at the first unfinished batch with the same batch composition, so its output is the
@@ -22,14 +25,9 @@ import torch
 from tqdm import tqdm
 
 from dflash.config import expand_user
+from dflash.data.continuous import regenerate_continuous
 from dflash.data.expand import CONVERSATION, read_rows
-from dflash.data.generation import (
-    Conversation,
-    Generator,
-    plan_batches,
-    regenerate_batch,
-    regenerate_continuous,
-)
+from dflash.data.generation import Conversation, Generator, plan_batches, regenerate_batch
 from dflash.data.regen_vllm import VllmTurns, require_vllm, visible_gpu
 from dflash.data.sources import DataError
 from dflash.errors import UserError
@@ -39,6 +37,7 @@ from dflash.io import atomic_path, read_json, sha256_file, sha256_json, write_js
 from dflash.manifest import code_hash, environment_hash
 from dflash.model.decoder import supports_static
 from dflash.model.memory import decode_weight_bytes, kv_bytes_per_token, peak_memory_gb
+from dflash.model.sampling import Sampling, serving_mode
 
 log = logging.getLogger(__name__)
 
@@ -164,28 +163,40 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
     rows = [r for r in read_rows(args.input) if in_shard(r["id"], args.shard, args.shards)]
     by_id = {r["id"]: r for r in rows}
     served = params["engine"] == "vllm"
+    mode = serving_mode(args.config)
+    sampling, template = Sampling.of(params), mode["chat_template_kwargs"]
+    seed = mode.get("seed", 0)  # greedy answers draw nothing
     if served:
         require_vllm()  # before a GPU is claimed or anything loads
         device = claim_gpu() if params["device"] == "auto" else torch.device(params["device"])
         visible_gpu(device)
         max_len = max_prompt + params["max_new_tokens"]
-        gen = VllmTurns(args.target, params["dtype"], params["max_new_tokens"], max_len)
+        gen = VllmTurns(
+            args.target, params["dtype"], params["max_new_tokens"], max_len, sampling, seed
+        )
+        gen.template = template
         dtype = torch.bfloat16 if params["dtype"] == "auto" else getattr(torch, params["dtype"])
     else:
-        gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"])
+        gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"],
+                        sampling, seed, template)  # fmt: skip
         device, dtype = gen.device, gen.dtype
     # what `auto` resolved to is part of the work's identity: other hardware, other tokens
     resolved = {"max_prompt": max_prompt, "torch_dtype": str(dtype), "on": device.type}
     hashes = HashCache(expand_user(args.config["cache_dir"]))
+    # the seed and template arguments only where they change the rows: a greedy run's work
+    # folder is the one it always was
+    identity = {**params, **resolved} | {k: v for k, v in mode.items() if k in ("seed",)}
+    if template:
+        identity["chat_template_kwargs"] = template
     workdir = args.workdir / _fingerprint(
-        args.input, args.target, {**params, **resolved}, args.shard, args.shards, hashes
+        args.input, args.target, identity, args.shard, args.shards, hashes
     )
     workdir.mkdir(parents=True, exist_ok=True)
     plan_file = workdir / "plan.json"
     if plan_file.exists():
         plan = read_json(plan_file)
     else:
-        plan = plan_batches(rows, gen.tokenizer, params["batch_size"], max_prompt)
+        plan = plan_batches(rows, gen.tokenizer, params["batch_size"], max_prompt, template)
         write_json(plan_file, plan)
     static = not served and use_static_engine(params["engine"], gen.model)
     counts = {"new_tokens": 0, "dropped_turns": 0}
@@ -221,6 +232,7 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         pl.DataFrame(done, schema=REGENERATED_SCHEMA).write_parquet(tmp, statistics=False)
     rate = {
         "rows": len(done),
+        "mode": mode["label"],
         "engine": engine_name(served, static),
         "dtype": str(dtype).removeprefix("torch."),
         "new_tokens_this_run": counts["new_tokens"],
@@ -289,8 +301,9 @@ def run(args) -> dict:
     params = dict(args.config["data"]["regenerate"])
     torch.manual_seed(0)
     rate = regenerate_shard(args, params, args.config["data"]["max_length"])
-    # the manifest records what `auto` chose here
-    return {"params": {"resolved": {k: rate[k] for k in ("engine", "dtype")}}}
+    # the manifest records what `auto` chose here, and the mode the answers were made in
+    resolved = {k: rate[k] for k in ("engine", "dtype")}
+    return {"params": {"resolved": resolved, "mode": serving_mode(args.config)}}
 
 
 def run_merge(args) -> None:

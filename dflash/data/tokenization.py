@@ -22,12 +22,19 @@ from dflash.io import atomic_path, write_json
 log = logging.getLogger(__name__)
 
 
-def _render(tokenizer, turns, generation_prompt=False) -> str:
-    return tools.render(tokenizer, turns, generation_prompt)
+def _render(tokenizer, turns, generation_prompt=False, template=None) -> str:
+    """The conversation as text, tool calls and results included (`dflash.data.tools`);
+    `template`: extra chat-template arguments (e.g. Qwen3's enable_thinking,
+    `data.chat_template_kwargs`), as regeneration rendered its prompts."""
+    return tools.render(tokenizer, turns, generation_prompt, **(template or {}))
 
 
 def assistant_spans(
-    tokenizer, turns: list[dict], truncated: set[int], generation_prompt: bool = False
+    tokenizer,
+    turns: list[dict],
+    truncated: set[int],
+    generation_prompt: bool = False,
+    template: dict | None = None,
 ) -> tuple[str, list]:
     """The rendered text and the [start, end) character span of each assistant turn.
 
@@ -38,11 +45,11 @@ def assistant_spans(
     its end is found in the full render, as the turn's final words followed by the end-of-turn
     text, the last such place before the next assistant turn's prompt.
     """
-    full = _render(tokenizer, turns, generation_prompt)
+    full = _render(tokenizer, turns, generation_prompt, template)
     starts = {}
     for i, turn in enumerate(turns):
         if turn["role"] == "assistant":
-            prefix = _render(tokenizer, turns[:i], generation_prompt=True)
+            prefix = _render(tokenizer, turns[:i], generation_prompt=True, template=template)
             if not full.startswith(prefix):
                 raise DataError(
                     f"turn {i}: the chat template renders earlier turns differently once later "
@@ -53,7 +60,7 @@ def assistant_spans(
     spans = []
     for (i, start), bound in zip(starts.items(), bounds, strict=True):
         content = turns[i]["content"]
-        upto = _render(tokenizer, turns[: i + 1])
+        upto = _render(tokenizer, turns[: i + 1], template=template)
         closed = upto.rstrip()  # content + end-of-turn, without the template's trailing newline
         if full.startswith(upto):
             end = len(closed)
@@ -102,6 +109,7 @@ def encode(
     truncated: set[int],
     max_length: int,
     last_turn_ids: list[int] | None = None,
+    template: dict | None = None,
 ):
     """input ids, loss mask, and whether the row was cut to max_length.
 
@@ -115,7 +123,8 @@ def encode(
     history = turns if last_turn_ids is None else turns[:-1]
 
     def tokenized(short):  # huge messages cut by characters first (dflash.data.bounded)
-        text, spans = assistant_spans(tokenizer, short, truncated, last_turn_ids is not None)
+        generated = last_turn_ids is not None
+        text, spans = assistant_spans(tokenizer, short, truncated, generated, template)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return (enc, spans), len(enc["input_ids"])
 
@@ -149,7 +158,9 @@ def repetitive(ids: list[int], mask: list[int]) -> bool:
     return repeats >= LOOP_SHARE * (len(trained) - span)
 
 
-def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int):
+def tokenize_rows(
+    frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num_proc: int, template=None
+):
     import datasets
     from transformers import AutoTokenizer
 
@@ -178,6 +189,7 @@ def tokenize_rows(frame: pl.DataFrame, tokenizer_dir: Path, max_length: int, num
                 last_turn_ids=generated[-1]
                 if regenerated_last and not tools.has_calls(last)
                 else None,
+                template=template,
             )
         except DataError as e:
             if tools.uses_tools(turns):  # one template's way with one conversation's calls
@@ -239,7 +251,8 @@ def run(args) -> dict | None:
     frame = pl.read_parquet(args.input)
     if frame.height == 0:
         raise DataError(f"{args.input}: no rows to tokenize")
-    out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"])
+    template = data_cfg.get("chat_template_kwargs") or {}
+    out = tokenize_rows(frame, args.target, data_cfg["max_length"], data_cfg["num_proc"], template)
     kept = out.filter(pl.col("keep")).drop("keep", "cut", "repetitive", "left_out")
     left_out = out.filter(pl.col("left_out") != "").with_columns(
         reason=pl.col("left_out").str.split(": ").list.get(0)

@@ -117,12 +117,15 @@ def chat_messages(turns: list[dict]) -> tuple[list[dict], list | None]:
     return messages, tools
 
 
-def render(tokenizer, turns: list[dict], generation_prompt: bool, tokenize: bool = False):
-    """The target's chat template over normalised turns (tool calls and results included)."""
+def render(
+    tokenizer, turns: list[dict], generation_prompt: bool, tokenize: bool = False, **template
+):
+    """The target's chat template over normalised turns (tool calls and results included);
+    `template`: its extra arguments (`data.chat_template_kwargs`)."""
     messages, tools = chat_messages(turns)
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, tokenize=tokenize, add_generation_prompt=generation_prompt, **kwargs
+        messages, tokenize=tokenize, add_generation_prompt=generation_prompt, **kwargs, **template
     )
 
 

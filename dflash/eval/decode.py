@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with a DFlash drafter, as a serving engine runs it (batch size 1).
+"""Speculative decoding with a DFlash drafter, as a serving engine runs it (batch size 1).
 
 Round: the last committed token x_n (the previous round's bonus, its features not computed yet)
 is the anchor; the drafter reads the committed context's features (its own KV cache) and drafts
@@ -9,6 +9,11 @@ drafter's new context. Decoding stops as soon as a round commits a stop token (t
 in that round are dropped and never counted) or `max_new_tokens` tokens, as the public DFlash
 reference does. The same loop with no drafts is plain greedy decoding of the target, which is what
 every output is checked against (lossless) and what speedups are measured against.
+
+That is the greedy rule (temperature 0). At a temperature the round's decision is the engines'
+speculative sampling instead (`dflash.eval.verify.Sampled`: accept a draft with the target's
+probability of it, draw from the rest on rejection), and the same loop without drafts is plain
+sampling from the target: lossless in distribution, which a goodness-of-fit test checks.
 
 The sessions the rounds run on (the target's static or transformers' cache, the drafter's) are in
 `dflash.eval.sessions`.
@@ -24,7 +29,9 @@ import torch
 from dflash.eval import ddtree
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.sessions import DrafterSession
+from dflash.eval.verify import Greedy, Sampled
 from dflash.model.graphs import capture_seconds
+from dflash.model.sampling import probabilities, sample_rows
 
 
 @dataclass
@@ -37,6 +44,9 @@ class Generation:
     @property
     def rounds(self) -> int:
         return len(self.accepted)
+
+
+GREEDY = Greedy()
 
 
 class Proposer:
@@ -63,8 +73,35 @@ class DrafterProposer(Proposer):
             self.session = DrafterSession(*self.parts)
         self.session.reset(capacity)
 
+    def draft_logits(self, committed: list[int], features) -> torch.Tensor:
+        """(B-1, V) logits of the drafts after `committed` (its last token is the anchor)."""
+        return self.session.draft_logits(committed[-1], features)
+
     def propose(self, committed, features):
-        return self.session.draft_logits(committed[-1], features).argmax(-1).tolist()
+        return self.draft_logits(committed, features).argmax(-1).tolist()
+
+
+class SampledDrafts(Proposer):
+    """`drafter`'s tokens drawn from its own distribution at the rule's sampling parameters,
+    with the generator the rule verifies with (vLLM's `draft_sample_method: probabilistic`);
+    `draft_probs` keeps the distributions the last drafts came from, for the ratio test."""
+
+    def __init__(self, drafter: DrafterProposer, rule: Sampled):
+        self.drafter, self.rule = drafter, rule
+        self.block_size = drafter.block_size
+        self.draft_probs: torch.Tensor | None = None
+
+    @property
+    def session(self):  # its CUDA graphs' capture time is kept off the clock (capture_seconds)
+        return getattr(self.drafter, "session", None)
+
+    def start(self, prompt, features, capacity):
+        self.drafter.start(prompt, features, capacity)
+
+    def propose(self, committed, features):
+        logits = self.drafter.draft_logits(committed, features)
+        self.draft_probs = probabilities(logits, self.rule.sampling)
+        return sample_rows(self.draft_probs, self.rule.generator).tolist()
 
 
 def _stop(new: list[int], room: int, eos_ids: set[int]) -> tuple[list[int], bool]:
@@ -81,13 +118,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _start(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, extra: int):
+def _start(target, proposer: Proposer, prompt, max_new_tokens: int, extra: int, rule):
     """Prefill the prompt; returns (first token, its features, the decode clock's start)."""
     capacity = len(prompt) + max_new_tokens + max(extra, proposer.block_size)
     target.reset(capacity)
-    next_tokens, features = target.forward(prompt)
+    next_tokens, features = target.forward(prompt, rule.logits)
     proposer.start(prompt, features, capacity)
-    first = int(next_tokens[-1])
+    first = rule.first(next_tokens)
     _sync(target.device)
     return first, features, time.perf_counter()
 
@@ -99,10 +136,17 @@ def _stop_clock(gen: Generation, target, proposer: Proposer, started: float, set
 
 
 def generate(
-    target, proposer: Proposer, prompt: list[int], max_new_tokens: int, eos_ids: set[int]
+    target,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    rule: Greedy | Sampled = GREEDY,
 ) -> Generation:
-    """Greedy decoding of `prompt` with drafts from `proposer`, verified by `target`."""
-    first, pending, started = _start(target, proposer, prompt, max_new_tokens, proposer.block_size)
+    """Decoding of `prompt` with drafts from `proposer`, verified by `target` under `rule`
+    (greedy, or speculative sampling at a temperature)."""
+    bsz = proposer.block_size
+    first, pending, started = _start(target, proposer, prompt, max_new_tokens, bsz, rule)
     setup = capture_seconds(target, proposer)
     committed = [*prompt, first]
     gen = Generation(tokens=[first])
@@ -111,12 +155,11 @@ def generate(
         room = max_new_tokens - len(gen.tokens)
         drafts = proposer.propose(committed, pending)[:room]
         anchor_at = len(committed) - 1
-        verified, features = target.forward([committed[-1], *drafts])
-        verified = verified.tolist()
-        n = 0
-        while n < len(drafts) and drafts[n] == verified[n]:
-            n += 1
-        new, done = _stop([*drafts[:n], verified[n]], room, eos_ids)
+        verified, features = target.forward([committed[-1], *drafts], rule.logits)
+        q = getattr(proposer, "draft_probs", None)
+        decided = rule.chain(drafts, verified, None if q is None else q[: len(drafts)])
+        n = len(decided) - 1  # drafts accepted
+        new, done = _stop(decided, room, eos_ids)
         target.crop(anchor_at + len(new))  # keep the anchor and the accepted drafts
         pending = features[: n + 1]
         committed += new
@@ -135,6 +178,7 @@ def generate_tree(
     budget: int | None,
     topk: int = 8,
     lookup: bool = False,
+    rule: Greedy | Sampled = GREEDY,
 ) -> Generation:
     """DDTree: `generate` with a best-first tree of `budget` drafts from one drafter pass,
     verified in one target forward under an ancestor-only mask (see `dflash.eval.ddtree`).
@@ -145,7 +189,7 @@ def generate_tree(
     """
     bsz = proposer.block_size
     extra = (budget or bsz - 1) + (bsz - 1 if lookup else 0) + 1
-    first, pending, started = _start(target, proposer, prompt, max_new_tokens, extra)
+    first, pending, started = _start(target, proposer, prompt, max_new_tokens, extra, rule)
     setup = capture_seconds(target, proposer)
     committed = [*prompt, first]
     gen = Generation(tokens=[first])
@@ -153,7 +197,7 @@ def generate_tree(
     while not done:
         room = max_new_tokens - len(gen.tokens)
         root = committed[-1]
-        logits = proposer.session.draft_logits(root, pending)
+        logits = proposer.draft_logits(committed, pending)
         if budget is None:
             tree = ddtree.chain_tree(root, logits.argmax(-1).tolist())
         else:
@@ -161,8 +205,8 @@ def generate_tree(
         if lookup:
             tree = ddtree.with_path(tree, prompt_lookup_draft(committed, bsz - 1))
         prefix = len(committed) - 1
-        verified, features = target.forward_tree(tree, prefix)
-        path, bonus = ddtree.walk(tree, verified.cpu())
+        verified, features = target.forward_tree(tree, prefix, rule.logits)
+        path, bonus = rule.tree(tree, verified)
         target.keep_path(path, prefix)
         pending = features[torch.tensor([0, *path], device=features.device)]
         new, done = _stop(ddtree.accepted_tokens(tree, path, bonus), room, eos_ids)

@@ -14,6 +14,7 @@ from pathlib import Path
 from dflash.eval.clock import clock_caveats
 from dflash.eval.handover import handover
 from dflash.eval.overlap import overlap_text
+from dflash.eval.report_sampling import sampling_text, trained_on_text
 from dflash.eval.vllm_stage import summary_section
 from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
@@ -375,6 +376,10 @@ def run(args) -> None:
     text = summary_text(
         stats, train_summary, metrics, acceptance, ddtree, handover(args, acceptance)
     )
+    sampled = read_json(args.sampling) if getattr(args, "sampling", None) else None
+    for extra in (trained_on_text(train_summary), sampling_text(sampled, acceptance, metrics)):
+        if extra:
+            text += "\n" + extra + "\n"
     if getattr(args, "vllm", None):
         text += "\n" + summary_section(read_json(args.vllm))
     with atomic_path(args.summary) as tmp:

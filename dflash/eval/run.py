@@ -41,7 +41,7 @@ import polars as pl
 import torch
 
 from dflash.errors import UserError
-from dflash.eval.decode import DrafterProposer, Generation
+from dflash.eval.decode import GREEDY, DrafterProposer, Generation
 from dflash.eval.lossless import beyond, divergence, judge, recheck_in_float32
 from dflash.eval.metrics import acceptance, text_digest
 from dflash.eval.overlap import found_in_training
@@ -56,6 +56,41 @@ log = logging.getLogger(__name__)
 # The drafter's chain and prompt lookup's continuation verified together as two branches of one
 # tree: the round accepts the longer (`generate_tree`, `eval.with_lookup`).
 WITH_LOOKUP = "drafter+lookup"
+
+
+def chain_methods(setup: Setup, rule, untrained: bool = True) -> dict:
+    """eval_acceptance's methods decoding under `rule`: the baselines, the drafter, and the
+    drafter beside prompt lookup (`untrained=False`: without the untrained drafter)."""
+    config = setup.config
+    methods = {}
+    if "lookup" in config["eval"]["baselines"]:
+        methods["lookup"] = setup.chain(LookupProposer(setup.block_size), rule)
+    if untrained and "untrained" in config["eval"]["baselines"]:
+        torch.manual_seed(config["seed"])  # the same initialisation training started from
+        model = Drafter(setup.drafter.config).to(setup.head.device).eval()
+        methods["untrained"] = setup.chain(DrafterProposer(model, setup.embed, setup.head), rule)
+    methods["drafter"] = setup.chain(setup.proposer, rule)
+    if config["eval"]["with_lookup"]:
+        methods[WITH_LOOKUP] = setup.tree(setup.proposer, None, 1, True, rule)
+    return methods
+
+
+def tree_variants(tree_cfg: dict) -> list[tuple[str, int, bool]]:
+    """(name, node budget, with the lookup branch) of each DDTree method."""
+    variants = [(f"tree-{b}", b, False) for b in tree_cfg["budgets"]]
+    if tree_cfg["with_lookup"]:
+        variants += [(f"{name}+lookup", b, True) for name, b, _ in variants]
+    return variants
+
+
+def tree_methods(setup: Setup, rule) -> dict:
+    """eval_ddtree's methods decoding under `rule`: the chain and every tree variant."""
+    tree_cfg = setup.config["eval"]["ddtree"]
+    methods = {"chain": setup.chain(setup.proposer, rule)}
+    return methods | {
+        name: setup.tree(setup.proposer, budget, tree_cfg["topk"], lookup, rule)
+        for name, budget, lookup in tree_variants(tree_cfg)
+    }
 
 
 def per_prompt(prompts, gens: dict[str, list[Generation]], stop: set[int]) -> dict:
@@ -86,8 +121,9 @@ def per_prompt(prompts, gens: dict[str, list[Generation]], stop: set[int]) -> di
     }
 
 
-def summarize(prompts, gens: list[Generation], block_size: int, reference) -> dict:
-    """Metrics overall and per eval set; `reference`: target-only generations (lossless)."""
+def summarize(prompts, gens: list[Generation], block_size: int, reference=None) -> dict:
+    """Metrics overall and per eval set; `reference`: target-only generations (lossless; None
+    at a temperature, where outputs cannot be compared token for token)."""
 
     def block(idx):
         seconds = sum(gens[i].seconds for i in idx)
@@ -96,9 +132,9 @@ def summarize(prompts, gens: list[Generation], block_size: int, reference) -> di
         out["tokens"] = sum(len(gens[i].tokens) for i in idx)
         out["tokens_per_s"] = round(decoded / seconds, 2) if seconds else None
         out["graph_setup_s"] = round(sum(gens[i].setup_s for i in idx), 2)  # not in `seconds`
-        out["lossless"] = round(
-            statistics.fmean(gens[i].tokens == reference[i].tokens for i in idx), 4
-        )
+        if reference is not None:
+            same = (gens[i].tokens == reference[i].tokens for i in idx)
+            out["lossless"] = round(statistics.fmean(same), 4)
         return out
 
     names = sorted({p.set_name for p in prompts})
@@ -169,17 +205,7 @@ def run(args) -> None:
     config = setup.config
     # before the decoding: a failure here costs seconds, not the evaluation
     overlap = found_in_training(setup.prompts, args.train) if args.train else None
-    methods = {}
-    if "lookup" in config["eval"]["baselines"]:
-        methods["lookup"] = setup.chain(LookupProposer(setup.block_size))
-    if "untrained" in config["eval"]["baselines"]:
-        torch.manual_seed(config["seed"])  # the same initialisation training started from
-        untrained = Drafter(setup.drafter.config).to(setup.head.device).eval()
-        methods["untrained"] = setup.chain(DrafterProposer(untrained, setup.embed, setup.head))
-    methods["drafter"] = setup.chain(setup.proposer)
-    if config["eval"]["with_lookup"]:
-        methods[WITH_LOOKUP] = setup.tree(setup.proposer, None, 1, True)
-    gens = setup.decode_all(methods)
+    gens = setup.decode_all(chain_methods(setup, GREEDY))
     results = {
         name: summarize(setup.prompts, gs, setup.block_size, gens["target"])
         for name, gs in gens.items()
@@ -237,17 +263,8 @@ def run_ddtree(args) -> None:
     """results/eval/ddtree.json: τ and speedup of tree drafting by node budget (and the chain)."""
     tree_cfg = args.config["eval"]["ddtree"]
     setup = Setup(args, tree_cfg["max_prompts"])
-    proposer = setup.proposer
-    variants = [(f"tree-{b}", b, False) for b in tree_cfg["budgets"]]
-    if tree_cfg["with_lookup"]:
-        variants += [(f"{name}+lookup", b, True) for name, b, _ in variants]
-    budgets = {name: b for name, b, _ in variants}
-    methods = {"chain": setup.chain(proposer)}
-    methods |= {
-        name: setup.tree(proposer, budget, tree_cfg["topk"], lookup)
-        for name, budget, lookup in variants
-    }
-    gens = setup.decode_all(methods)
+    budgets = {name: b for name, b, _ in tree_variants(tree_cfg)}
+    gens = setup.decode_all(tree_methods(setup, GREEDY))
     base = summarize(setup.prompts, gens["target"], setup.block_size, gens["target"])
     rows = []
     for name, gs in gens.items():

@@ -57,16 +57,17 @@ class HFSession:
         return self.cache.get_seq_length()
 
     @torch.no_grad()
-    def _run(self, tokens, **kwargs):
+    def _run(self, tokens, logits: bool, **kwargs):
         ids = torch.tensor([tokens], device=self.device)
         out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **kwargs)
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)[0]
         self._captured.clear()
-        return out.logits[0].argmax(-1), features
+        return out.logits[0] if logits else out.logits[0].argmax(-1), features
 
-    def forward(self, tokens: list[int]):
-        """(argmax next token per row, features (rows, n*H)) of `tokens` after the cache."""
-        return self._run(tokens)
+    def forward(self, tokens: list[int], logits: bool = False):
+        """(argmax next token per row, features (rows, n*H)) of `tokens` after the cache; with
+        `logits`, the next-token logits (rows, V) in place of the argmax."""
+        return self._run(tokens, logits)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (a negative count: the form every transformers
@@ -75,11 +76,12 @@ class HFSession:
         if remove > 0:
             self.cache.crop(-remove)
 
-    def forward_tree(self, tree: ddtree.DraftTree, prefix: int):
+    def forward_tree(self, tree: ddtree.DraftTree, prefix: int, logits: bool = False):
         """Verify every node of `tree` (root = the last committed token at `prefix`)."""
         dtype = self.model.get_input_embeddings().weight.dtype
         return self._run(
             tree.tokens.tolist(),
+            logits,
             position_ids=ddtree.tree_positions(tree, prefix)[None].to(self.device),
             attention_mask=ddtree.hf_tree_mask(tree, prefix, dtype).to(self.device),
         )
@@ -115,28 +117,31 @@ class StaticSession:
     def _positions(self, n: int) -> torch.Tensor:
         return torch.arange(self.length, self.length + n, device=self.device)[None]
 
-    def forward(self, tokens: list[int]):
+    def forward(self, tokens: list[int], logits: bool = False):
         ids = torch.tensor([tokens], device=self.device)
         n = len(tokens)
         positions = self._positions(n)
         span = attended(self.length + n, self.engine.capacity)
         if self.length == 0:  # the prompt: one eager forward of its own length
-            out = self.engine.forward(ids, positions, positions[0], last_only=True, span=span)
+            out = self.engine.forward(
+                ids, positions, positions[0], last_only=True, span=span, logits=logits
+            )
         else:
-            out = self.graphs(("chain", n, span), self._chain(span), ids, positions)
+            step = self._chain(span, logits)
+            out = self.graphs(("chain", n, span, logits), step, ids, positions)
         self.length += n
         return out
 
-    def _chain(self, span: int):
+    def _chain(self, span: int, logits: bool):
         def step(ids, positions):
-            return self.engine.forward(ids, positions, positions[0], span=span)
+            return self.engine.forward(ids, positions, positions[0], span=span, logits=logits)
 
         return step
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def forward_tree(self, tree: ddtree.DraftTree, prefix: int):
+    def forward_tree(self, tree: ddtree.DraftTree, prefix: int, logits: bool = False):
         assert prefix == self.length, "the tree's root follows the cached rows"
         n = tree.tokens.numel()
         span = attended(prefix + n, self.engine.capacity)
@@ -144,11 +149,11 @@ class StaticSession:
         # mask is built inside the step, not on the host every round
         nodes = torch.stack([tree.tokens, ddtree.tree_positions(tree, prefix)]).to(self.device)
         ancestors = ddtree.tree_attention_mask(tree, 0).to(self.device)
-        out = self.graphs(("tree", n, span), self._tree(span), nodes, ancestors)
+        out = self.graphs(("tree", n, span, logits), self._tree(span, logits), nodes, ancestors)
         self.length = prefix + n
         return out
 
-    def _tree(self, span: int):
+    def _tree(self, span: int, logits: bool):
         def step(nodes, ancestors):
             """Node i sees the cache rows before the root (its position `prefix`) and, among
             the tree's own rows prefix.., its ancestors and itself."""
@@ -160,7 +165,7 @@ class StaticSession:
             tree = ancestors.gather(1, offset.clamp(0, n - 1).expand(n, span)) & in_tree
             mask = ((rows < prefix) | tree)[None, None]
             slots = prefix + torch.arange(n, device=ids.device)
-            return self.engine.forward(ids, positions, slots, mask, span=span)
+            return self.engine.forward(ids, positions, slots, mask, span=span, logits=logits)
 
         return step
 

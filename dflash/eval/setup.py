@@ -13,16 +13,24 @@ from pathlib import Path
 import torch
 
 from dflash.config import expand_user
-from dflash.eval.decode import DrafterProposer, Generation, Proposer, generate, generate_tree
+from dflash.eval.decode import (
+    GREEDY,
+    DrafterProposer,
+    Generation,
+    Proposer,
+    generate,
+    generate_tree,
+)
 from dflash.eval.lookup import prompt_lookup_draft
 from dflash.eval.probe import probe_steps
 from dflash.eval.sessions import target_session
 from dflash.eval.sets import EvalPrompt, load_eval_set
 from dflash.gpus import claim_gpu
 from dflash.host import HostMonitor, describe_host, summarize_host
-from dflash.io import sha256_file, sha256_json
+from dflash.io import read_json, sha256_file, sha256_json
 from dflash.model.drafter import load_drafter
 from dflash.model.precision import resolve_dtype
+from dflash.model.sampling import row_key
 from dflash.model.step import resolve_device
 from dflash.model.target import eos_ids, load_target  # noqa: F401 (eos_ids re-exported)
 
@@ -42,9 +50,11 @@ class LookupProposer(Proposer):
         return prompt_lookup_draft(committed, self.block_size - 1)
 
 
-def encode(tokenizer, prompt: EvalPrompt) -> list[int]:
+def encode(tokenizer, prompt: EvalPrompt, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's ids through the target's chat template (`data.chat_template_kwargs`, e.g.
+    Qwen3's enable_thinking, as regeneration and tokenization render it)."""
     text = tokenizer.apply_chat_template(
-        prompt.messages, add_generation_prompt=True, tokenize=False
+        prompt.messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -93,6 +103,9 @@ class Setup:
         config = self.config = args.config
         self.model, self.drafter, self.dtype = load_models(config, args.target, args.drafter)
         self.target_path = Path(args.target)  # for the float32 recheck of a bf16 divergence
+        self.tokenized = getattr(args, "tokenized", None)  # held-out rows: tau_sim
+        exported = read_json(Path(args.drafter) / "config.json")
+        self.drafter_trained_on = exported.get("dflash_training_answers")
         device = self.model.get_input_embeddings().weight.device
         self.tokenizer = AutoTokenizer.from_pretrained(args.target)
         self.session = target_session(self.model, self.drafter.config.target_layer_ids)
@@ -105,6 +118,9 @@ class Setup:
         self.block_size = self.drafter.config.block_size
         self.stop = eos_ids(args.target, self.tokenizer)
         self.prompts = eval_prompts(config, args.held_out, max_prompts)
+        self.first_turns = list(self.prompts)  # later turns join `prompts` as they are decoded
+        self.encoded: list[list[int]] = []
+        self.template_kwargs = config["data"]["chat_template_kwargs"]
         self.max_new = config["eval"]["max_new_tokens"]
         self.sha = {
             "drafter_sha256": sha256_file(Path(args.drafter) / "model.safetensors"),
@@ -118,44 +134,64 @@ class Setup:
         self.monitor = HostMonitor(uuids, gpu_every_s=HOST_GPU_EVERY_S)
         self.hosts: dict[str, dict] = {}
 
-    def chain(self, proposer: Proposer) -> Method:
-        """A method that decodes a prompt with `proposer`'s drafts (none: the target alone)."""
-        return lambda ids: generate(self.session, proposer, ids, self.max_new, self.stop)
+    def chain(self, proposer: Proposer, rule=GREEDY) -> Method:
+        """A method that decodes a prompt with `proposer`'s drafts (none: the target alone),
+        verified under `rule` (greedy, or sampling at a temperature)."""
+        return lambda ids: generate(self.session, proposer, ids, self.max_new, self.stop, rule)
 
     def tree(
-        self, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool
+        self, proposer: DrafterProposer, budget: int | None, topk: int, lookup: bool, rule=GREEDY
     ) -> Method:
         """A method that decodes a prompt with a draft tree (`generate_tree`): DDTree of
         `budget` nodes, or the drafter's chain (None); `lookup` adds prompt lookup's
         continuation as a branch."""
         return lambda ids: generate_tree(
-            self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup
+            self.session, proposer, ids, self.max_new, self.stop, budget, topk, lookup, rule
         )
 
-    def decode_all(self, methods: dict[str, Method]) -> dict[str, list[Generation]]:
+    def decode_all(
+        self, methods: dict[str, Method], rule=GREEDY, seed: int = 0, first_turns=None
+    ) -> dict[str, list[Generation]]:
         """Each prompt decoded by the target alone (the reference), then by every method, back
         to back. A slow spell of the machine (a shared host's CPU, seconds long) then falls on
         every method of the prompts it lasts, not on whichever method was running: a speedup
         is a ratio of clocks taken a second apart. Later turns (followups) are added to the
-        prompts after the target's own answer to the turn before, and decoded too."""
+        prompts after the target's own answer to the turn before, and decoded too.
+
+        Greedy (the first call): the host is watched and the fixed steps probed after it, and
+        `prompts`/`encoded` are the greedy evaluation's. Sampled at `rule`'s temperature: each
+        decoding's stream is seeded from the run's seed, `seed`, the method and the prompt, and
+        a later turn follows the target's own sampled answer; `sampled` holds (prompts, their ids).
+        `first_turns`: those to decode (None: every prompt's)."""
+        sampled = rule is not GREEDY
+        if sampled:  # sampling: each method's stream seeded from (run seed, seed, method, prompt)
+            methods = {name: self._seeded(name, m, rule, seed) for name, m in methods.items()}
+        target = self._seeded("target", self.chain(Proposer(), rule), rule, seed)
         gens: dict[str, list[Generation]] = {"target": [], **{name: [] for name in methods}}
-        pending = list(self.prompts)
-        self.prompts, self.encoded = [], []
-        self.monitor.window()  # loading the models is not a method's
+        pending = list(self.first_turns if first_turns is None else first_turns)
+        prompts, encoded_all = [], []
+        if not sampled:
+            self.monitor.window()  # loading the models is not a method's
         while pending:
-            encoded = [encode(self.tokenizer, p) for p in pending]
+            encoded = [encode(self.tokenizer, p, self.template_kwargs) for p in pending]
             for ids in encoded:
-                gens["target"].append(self.chain(Proposer())(ids))
+                gens["target"].append(target(ids))
                 for name, method in methods.items():
                     gens[name].append(method(ids))
             answers = gens["target"][-len(pending) :]
-            self.prompts += pending
-            self.encoded += encoded
+            prompts += pending
+            encoded_all += encoded
             pending = [
                 p.followup(self.tokenizer.decode(g.tokens, skip_special_tokens=True))
                 for p, g in zip(pending, answers, strict=True)
                 if p.followups
             ]
+        if sampled:
+            self.sampled = (prompts, encoded_all)
+            for name, gs in gens.items():
+                log_generations(f"{name} at {rule.sampling.label}, seed {seed}", gs)
+            return gens
+        self.prompts, self.encoded = prompts, encoded_all
         host = summarize_host([self.monitor.window()])
         self.monitor.close()  # every clock has run
         log.info("host while the methods decoded: %s", describe_host(host))
@@ -168,6 +204,17 @@ class Setup:
         self.probes = self.probe()
         log.info("the fixed steps after every method: %s", self.probes)
         return gens
+
+    def _seeded(self, name: str, method: Method, rule, seed: int) -> Method:
+        """`method` with `rule`'s stream started afresh for each prompt it decodes."""
+        if rule is GREEDY:
+            return method
+
+        def decode(ids):
+            rule.reseed(row_key(self.config["seed"], seed, name, *ids))
+            return method(ids)
+
+        return decode
 
     def probe(self) -> dict:
         """The fixed steps (`dflash.eval.probe`) on the live sessions and, on a GPU, on sessions

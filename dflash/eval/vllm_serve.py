@@ -8,6 +8,13 @@ the sizes; `OUTPUT` gets, per prompt decoded alone (batch 1, later turns after t
 answer, as the evaluation does), its prompt's and its answer's tokens, wall seconds and the
 change of vLLM's own speculative-decoding counters over it; then tokens/s with the same prompts
 in waves of each concurrency.
+
+At a temperature (`sampling` in the request: temperature, top_p, top_k, seeds), each eval set's
+prompts are sent together, one wave per turn, each request with a seed of its own, and the
+counters' change over the set gives its pooled acceptance length (per prompt it would take a
+batch-1 pass per seed). `draft_sample_method` chooses vLLM's draft rule (greedy: the drafter's
+argmax; probabilistic: drafts drawn from the drafter's distribution). `prompts_alone: false`
+skips the batch-1 pass and the concurrency waves (an engine kept for its sampled figures).
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ def serve(request: dict) -> dict:
             "model": request["drafter"],
             "num_speculative_tokens": request["block_size"] - 1,
         }
+        if request.get("draft_sample_method"):
+            speculative["draft_sample_method"] = request["draft_sample_method"]
     started = time.perf_counter()
     llm = LLM(
         model=request["target"],
@@ -85,11 +94,23 @@ def serve(request: dict) -> dict:
                             use_tqdm=False)  # fmt: skip
 
     rows, encoded = [], []
-    pending = [EvalPrompt(**{**p, "followups": tuple(p["followups"])}) for p in request["prompts"]]
+    first_turns = [
+        EvalPrompt(**{**p, "followups": tuple(p["followups"])}) for p in request["prompts"]
+    ]
+    template = request.get("chat_template_kwargs") or {}
+    sampled_turns = [
+        EvalPrompt(**{**p, "followups": tuple(p["followups"])})
+        for p in request.get("sampling_prompts", request["prompts"])
+    ]
+    sampled = [
+        _sampled_waves(llm, tokenizer, sampled_turns, spec, request, template)
+        for spec in request.get("sampling", [])
+    ]
+    pending = first_turns if request.get("prompts_alone", True) else []
     while pending:
         answers = []
         for prompt in pending:
-            ids = encode(tokenizer, prompt)
+            ids = encode(tokenizer, prompt, template)
             before = counters(llm.get_metrics())
             t0 = time.perf_counter()
             (out,) = run([ids])
@@ -102,7 +123,7 @@ def serve(request: dict) -> dict:
             answers.append(completion.text)
         pending = [p.followup(a) for p, a in zip(pending, answers, strict=True) if p.followups]
     concurrency = {}
-    for c in request["concurrency"]:
+    for c in request["concurrency"] if rows else []:
         tokens, seconds = 0, 0.0
         for i in range(0, len(encoded), c):
             t0 = time.perf_counter()
@@ -114,7 +135,45 @@ def serve(request: dict) -> dict:
     import vllm
 
     return {"vllm": vllm.__version__, "startup_s": round(startup_s, 1), "prompts": rows,
-            "concurrency": concurrency}  # fmt: skip
+            "concurrency": concurrency, "sampled": sampled}  # fmt: skip
+
+
+def _sampled_waves(llm, tokenizer, first_turns, spec: dict, request: dict, template) -> dict:
+    """One temperature: per seed and eval set, the set's prompts in one wave per turn (each
+    request seeded), and the counters' change over the set."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from dflash.eval.setup import encode
+
+    per_seed = []
+    for seed in range(spec["seeds"]):
+        sets = {}
+        for name in dict.fromkeys(p.set_name for p in first_turns):
+            pending = [p for p in first_turns if p.set_name == name]
+            before, tokens, wave = counters(llm.get_metrics()), 0, 0
+            while pending:
+                ids = [encode(tokenizer, p, template) for p in pending]
+                params = [
+                    SamplingParams(
+                        temperature=spec["temperature"],
+                        top_p=spec["top_p"],
+                        top_k=spec["top_k"] or -1,
+                        max_tokens=request["max_new_tokens"],
+                        stop_token_ids=request["eos_ids"],
+                        seed=1_000_003 * seed + 1_009 * wave + i,
+                    )  # fmt: skip
+                    for i in range(len(pending))
+                ]
+                outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params,
+                                    use_tqdm=False)  # fmt: skip
+                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+                pending = [p.followup(o.outputs[0].text) for p, o in
+                           zip(pending, outs, strict=True) if p.followups]  # fmt: skip
+                wave += 1
+            sets[name] = difference(counters(llm.get_metrics()), before) | {"tokens": tokens}
+        per_seed.append(sets)
+    return {**{k: spec[k] for k in ("temperature", "top_p", "top_k")}, "seeds": per_seed}
 
 
 def main(argv: list[str] | None = None) -> None:

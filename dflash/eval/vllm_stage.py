@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
-from dflash.io import write_json
+from dflash.io import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,34 @@ def compare(
     }
 
 
+def compare_sampled(served: dict[str, list], ours: dict | None) -> list[dict]:
+    """At each temperature and draft rule, per eval set: vLLM's acceptance length pooled over
+    the set's prompts and every seed, beside our τ pooled over the same prompts and seeds
+    (eval/sampling.json; the probabilistic rule's is `drafter/probabilistic`)."""
+    ours_runs = {run["temperature"]: run for run in (ours or {}).get("runs", [])}
+    out = []
+    for rule, runs in served.items():
+        method = "drafter" if rule == "greedy" else "drafter/probabilistic"
+        for run in runs:
+            mine = ours_runs.get(run["temperature"], {}).get("methods", {}).get(method, {})
+            sets = {}
+            for name in run["seeds"][0]:
+                pooled = [seed[name] for seed in run["seeds"]]
+                theirs = acceptance_length(pooled)
+                tau = mine.get("sets", {}).get(name, {}).get("tau_pooled")
+                sets[name] = {"vllm_pooled": theirs, "ours_pooled": tau,
+                              "diff_pct_pooled": _pct(tau, theirs),
+                              "per_seed": [acceptance_length([s]) for s in pooled]}  # fmt: skip
+            every = [seed[n] for seed in run["seeds"] for n in seed]
+            overall = mine.get("overall", {}).get("tau_pooled")
+            out.append({"temperature": run["temperature"], "top_p": run["top_p"],
+                        "top_k": run["top_k"], "draft_rule": rule, "seeds": len(run["seeds"]),
+                        "vllm_pooled": acceptance_length(every), "ours_pooled": overall,
+                        "diff_pct_pooled": _pct(overall, acceptance_length(every)),
+                        "sets": sets})  # fmt: skip
+    return out
+
+
 def _on_same_tokens(vllm: list, walked: list) -> dict:
     """vLLM's acceptance length beside our drafter's τ on the very tokens vLLM emitted (prompts
     with something to draft): what is left between them is the engines' arithmetic alone."""
@@ -212,8 +240,15 @@ def run(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = eval_prompts(config, args.held_out)
     drafter_config = json.loads((Path(args.drafter) / "config.json").read_text())
+    sampling = config["eval"]["sampling"]
+    specs = [
+        {"temperature": t, "top_p": sampling["top_p"], "top_k": sampling["top_k"],
+         "seeds": sampling["seeds"]}
+        for t in sampling["temperatures"]
+    ]  # fmt: skip
     request = {
         "target": str(args.target),
+        "chat_template_kwargs": config["data"]["chat_template_kwargs"],
         "drafter": str(args.drafter),
         "block_size": drafter_config["block_size"],
         "dtype": "float32" if config["eval"]["dtype"] == "float32" else "bfloat16",
@@ -224,12 +259,29 @@ def run(args) -> None:
         "max_model_len": settings["max_model_len"],
         "gpu_memory_utilization": settings["gpu_memory_utilization"],
     }
+    rules = [r for r in sampling["draft_rules"] if specs]
+    # at temperature, the prompts eval_sampling decoded (eval.sampling.max_prompts a set)
+    capped = eval_prompts(config, args.held_out, sampling["max_prompts"])
+    request["sampling_prompts"] = [asdict(p) for p in capped]
     with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
         alone = _serve({**request, "drafter": None}, Path(tmp), "target alone")
-        served = _serve(request, Path(tmp), "target with the drafter")
+        # the greedy draft rule's engine also gives the sampled figures of that rule
+        greedy = specs if "greedy" in rules else []
+        served = _serve({**request, "sampling": greedy}, Path(tmp), "target with the drafter")
+        if "probabilistic" in rules:  # an engine of its own: the rule is the engine's setting
+            probabilistic = {**request, "sampling": specs, "prompts_alone": False,
+                             "draft_sample_method": "probabilistic"}  # fmt: skip
+            drawn = _serve(probabilistic, Path(tmp), "drafter with probabilistic drafts")
     acceptance = json.loads(Path(args.acceptance).read_text())
     walked = walk_served(args, config, served["prompts"])
     record = compare(served, alone, acceptance, set(request["eos_ids"]), walked)
+    if specs:
+        record["sampled"] = compare_sampled(
+            {"greedy": served.get("sampled", []), "probabilistic": drawn["sampled"]}
+            if "probabilistic" in rules
+            else {"greedy": served.get("sampled", [])},
+            read_json(args.sampling) if args.sampling else None,
+        )
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
     a = record["acceptance_length"]
@@ -290,5 +342,18 @@ def summary_section(record: dict) -> str:
             f"{same['ours_macro']} (ours), macro; elsewhere the texts parted at a near tie and τ "
             f"was judged on other tokens. vLLM's target alone decoded our target's text on "
             f"{same['target_alone_same']} of {same['of']} prompts.",
+        ]
+    for run in record.get("sampled", []):
+        lines += [
+            "",
+            f"At temperature {run['temperature']} (top-p {run['top_p']}, top-k "
+            f"{run['top_k'] or 'all'}), vLLM's `{run['draft_rule']}` draft rule, each set's "
+            f"prompts together over {run['seeds']} seeds: acceptance length {run['vllm_pooled']}"
+            f" pooled against ours {run['ours_pooled']} ({pct(run['diff_pct_pooled'])}); "
+            + ", ".join(
+                f"{n} {s['vllm_pooled']} / {s['ours_pooled']} ({pct(s['diff_pct_pooled'])})"
+                for n, s in run["sets"].items()
+            )
+            + ".",
         ]
     return "\n".join(lines) + "\n"

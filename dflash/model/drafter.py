@@ -347,38 +347,16 @@ MODELING = Path(modeling_dflash.__file__)
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
-def init_from_target_top(model: Drafter, target_dir: str | Path) -> list[str]:
-    """Start drafter layer i as target layer L-n+i and the output norm as the target's: the top
-    layers already map a residual stream to what the shared LM head reads. Tensors the target
-    does not have (Qwen3's q/k norms when the target is Llama) keep their init. Returns the
-    target keys copied."""
-    from safetensors import safe_open
-
-    files = sorted(Path(target_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"drafter.init: target_top: no *.safetensors in {target_dir}")
-    top = model.config.num_target_layers - model.config.num_hidden_layers
-    wanted = {"model.norm.weight": "norm.weight"}
-    for i, layer in enumerate(model.layers):
-        for name, _ in layer.named_parameters():
-            wanted[f"model.layers.{top + i}.{name}"] = f"layers.{i}.{name}"
-    state, copied = model.state_dict(), []
-    for file in files:
-        with safe_open(file, "pt") as f:
-            for key in wanted.keys() & set(f.keys()):
-                state[wanted[key]].copy_(f.get_tensor(key).to(state[wanted[key]].dtype))
-                copied.append(key)
-    if not copied:
-        raise ValueError(f"drafter.init: target_top: no model.layers.* tensors in {target_dir}")
-    return sorted(copied)
-
-
-def save_drafter(model: Drafter, directory: str | Path, dtype=torch.bfloat16) -> None:
-    """Write config.json + model.safetensors + the modeling file atomically (a whole directory)."""
+def save_drafter(model: Drafter, directory, dtype=torch.bfloat16, trained_on=None) -> None:
+    """Write config.json + model.safetensors + the modeling file atomically (a whole directory);
+    `trained_on`: how its training answers were made (`sampling.serving_mode`), as config.json's
+    `dflash_training_answers` (loaders ignore keys they do not know)."""
     with atomic_path(directory, is_dir=True) as tmp:
         state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
         save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
         config = model.config.to_hf()
+        if trained_on is not None:
+            config["dflash_training_answers"] = trained_on
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
         config["auto_map"] = AUTO_MAP
         write_json(tmp / "config.json", config)

@@ -6,7 +6,8 @@ hidden-state gradient in the forward pass, so the backward pass only scales it, 
 compiles each chunk's softmax and gradient into two kernels; `checkpointed_lm_loss` is the
 previous recompute-in-backward version, kept as bench/gpu.py's reference. Soft labels (the
 target's own distribution mixed into the one-hot label, `train.distill`) go through the same
-chunks.
+chunks. `weighted_lm_loss` is the same fused CE whose token weights are drawn from the tokens' own
+CE once every chunk has run (D-PACE, `dflash.model.dpace`).
 """
 
 from __future__ import annotations
@@ -172,3 +173,78 @@ def chunked_lm_loss(
         hidden, head_weight, labels, weights, chunk_tokens, False, compiled, soft
     )
     return total, correct
+
+
+def _ce_rows(logits, labels, want_grad: bool):
+    """(CE per row, correctness, d CE_row / d logits or None) of one chunk of logits, unweighted;
+    the softmax in fp32. For torch.compile, as `_ce_chunk`; `_ce_rows_eager` works in place."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    correct = x.argmax(-1) == labels
+    if not want_grad:
+        return ce, correct, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None] == labels[:, None]
+    return ce, correct, (torch.exp(x - lse[:, None]) - onehot.float()).to(logits.dtype)
+
+
+def _ce_rows_eager(logits, labels, want_grad: bool):
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    ce = lse - x.gather(1, labels[:, None]).squeeze(1)
+    correct = x.argmax(-1) == labels
+    if not want_grad:
+        return ce, correct, None
+    g = x.sub_(lse[:, None]).exp_()
+    g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
+    return ce, correct, g.to(logits.dtype)
+
+
+def _rows_ce(hidden, head_weight, labels, chunk_tokens, want_grad, compiled):
+    """(CE per token (T,) fp32, correctness, unweighted d CE_t / d hidden_t (T, H) or None)."""
+    rows = _compiled(_ce_rows) if compiled else _ce_rows_eager
+    n = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden) if want_grad else None
+    ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+    for start in range(0, n, chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        logits = hidden[sl].to(head_weight.dtype) @ head_weight.t()
+        ce[sl], correct[sl], g = rows(logits, labels[sl], want_grad)
+        if want_grad:
+            grad_hidden[sl] = g @ head_weight
+    return ce, correct, grad_hidden
+
+
+class _WeightedLinearCE(torch.autograd.Function):
+    """`_FusedLinearCE` with weights that depend on the CE itself: the per-token CE and its
+    unweighted hidden-state gradient come first, then `weigh(ce)` (detached), then each token's
+    gradient row is scaled by its weight. No more head matmuls than the default loss."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weigh, chunk_tokens, compiled):
+        ce, correct, grad_hidden = _rows_ce(
+            hidden, head_weight, labels, chunk_tokens, True, compiled
+        )
+        weights = weigh(ce)
+        grad_hidden.mul_(weights[:, None].to(grad_hidden.dtype))
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(correct, weights)
+        return (ce * weights).sum(), correct, weights
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct, grad_weights):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+
+
+def weighted_lm_loss(
+    hidden, head_weight, labels, weigh, chunk_tokens: int = 1024, compiled: bool = False
+):
+    """(sum(w * CE), correctness, w) where w = weigh(CE per token) (T,), detached: the weights
+    see every chunk's CE before any gradient is scaled. hidden: (T, H), labels: (T,)."""
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        return _WeightedLinearCE.apply(hidden, head_weight, labels, weigh, chunk_tokens, compiled)
+    ce, correct, _ = _rows_ce(hidden, head_weight, labels, chunk_tokens, False, compiled)
+    weights = weigh(ce)
+    return (ce * weights).sum(), correct, weights

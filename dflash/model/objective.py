@@ -4,7 +4,8 @@ For each sample, up to `max_anchors` anchor positions `a` (both `a` and `a+1` tr
 from a seeded generator. Block n is `[ids[a], MASK x (B-1)]` at positions `a .. a+B-1`; it sees the
 target's context features strictly before its anchor and its own block (both directions), nothing
 else. The loss is CE on `ids[a+k]` for slots k = 1..B-1 with weight `exp(-(k-1)/gamma)` times the
-loss mask at `a+k`, normalised by the weight sum. The number of blocks per sample is always
+loss mask at `a+k`, normalised by the weight sum (or, with `drafter.loss: dpace`, weights drawn
+from the drafter's own confidence: `dflash.model.dpace`). The number of blocks per sample is always
 `min(max_anchors, s)` for a batch `s` tokens wide (missing ones are padding that sees nothing), so
 shapes, and compiled kernels, depend on the batch shape only, never on how many anchors a sample
 happened to have; a sample cannot have `s` anchors, so blocks past that would only be padding.
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash.model.lm_loss import chunked_lm_loss
+from dflash.model.dpace import dpace_total
+from dflash.model.lm_loss import chunked_lm_loss, weighted_lm_loss
 from dflash.model.transfer import upload
 
 
@@ -239,6 +241,7 @@ def dflash_loss(
     distill: float = 0.0,
     host: bool = True,
     copy_weight: float = 1.0,
+    dpace: dict | None = None,
 ):
     """One training forward: returns (loss, metrics); the metrics as device tensors when not
     `host` (`host_metrics` converts them later). features: (b, s, n_layers*H), with the
@@ -249,6 +252,9 @@ def dflash_loss(
     `lm_loss(hidden, head_weight, labels, weights, chunk_tokens)` -> (weighted CE sum,
     correctness), default `chunked_lm_loss` (compiled if `compiled_ce`); bench/gpu.py swaps in
     its references (full logits, checkpointed chunks).
+
+    `dpace` ({"alpha", "norm"}; drafter.loss: dpace) weighs the slots by D-PACE instead of
+    exp(-(k-1)/gamma) (`dflash.model.dpace`); hard labels only, so not with `distill`.
     """
     cfg = drafter.config
     bs = cfg.block_size
@@ -278,6 +284,22 @@ def dflash_loss(
     hidden = drafter(
         block_embeds.to(features.dtype), features, blocks.positions, ctx_positions, attend
     )
+    if dpace is not None:
+        if distill:
+            raise ValueError("D-PACE weighs hard labels: it cannot run with distillation")
+        loss, correct = dpace_total(
+            functools.partial(weighted_lm_loss, compiled=compiled_ce),
+            hidden.reshape(-1, hidden.shape[-1]),
+            head_weight,
+            blocks.labels.view(-1),
+            blocks.weights > 0,
+            blocks.valid,
+            dpace["alpha"],
+            dpace["norm"],
+            chunk_tokens,
+        )
+        metrics = {**block_metrics(correct, blocks), "loss": loss.detach()}
+        return loss, host_metrics(metrics) if host else metrics
     weights = blocks.weights.view(-1)
     if lm_loss is None:
         lm_loss = functools.partial(chunked_lm_loss, compiled=compiled_ce)

@@ -117,7 +117,6 @@ def load_init(model, path: Path) -> None:
 def initialise(model, init: str, target_dir: Path) -> str:
     """Start `model` (a Drafter) as `drafter.init` says (random: as built); returns a line for
     the log."""
-    from dflash.model.drafter import init_from_target_top
 
     path = init_path(init)
     if path is not None:
@@ -135,3 +134,29 @@ def init_identity(init: str) -> str | dict[str, str]:
     if path is None:
         return init
     return {name: sha256_file(path / name) for name in FILES}
+
+
+def init_from_target_top(model, target_dir: str | Path) -> list[str]:
+    """Start drafter layer i as target layer L-n+i and the output norm as the target's: the top
+    layers already map a residual stream to what the shared LM head reads. Tensors the target
+    does not have (Qwen3's q/k norms when the target is Llama) keep their init. Returns the
+    target keys copied."""
+    from safetensors import safe_open
+
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"drafter.init: target_top: no *.safetensors in {target_dir}")
+    top = model.config.num_target_layers - model.config.num_hidden_layers
+    wanted = {"model.norm.weight": "norm.weight"}
+    for i, layer in enumerate(model.layers):
+        for name, _ in layer.named_parameters():
+            wanted[f"model.layers.{top + i}.{name}"] = f"layers.{i}.{name}"
+    state, copied = model.state_dict(), []
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in wanted.keys() & set(f.keys()):
+                state[wanted[key]].copy_(f.get_tensor(key).to(state[wanted[key]].dtype))
+                copied.append(key)
+    if not copied:
+        raise ValueError(f"drafter.init: target_top: no model.layers.* tensors in {target_dir}")
+    return sorted(copied)

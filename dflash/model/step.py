@@ -67,6 +67,7 @@ class TrainStep:
         distill: float = 0.0,
         ce_chunk: int = 1024,
         copy_weight: float = 1.0,
+        dpace: dict | None = None,
     ):
         self.drafter = drafter
         self.model = drafter
@@ -84,6 +85,7 @@ class TrainStep:
         self.compile, self.distill = compile, distill
         self.ce_chunk = ce_chunk  # tokens per chunk of LM-head logits
         self.copy_weight = copy_weight  # drafter.copy_anchor_weight
+        self.dpace = dpace  # drafter.loss: dpace, with drafter.dpace's alpha and norm
 
     def __call__(self, features, input_ids, loss_mask, generator, loss_scale: float = 1.0):
         loss, metrics = self.loss(features, input_ids, loss_mask, generator)
@@ -112,7 +114,13 @@ class TrainStep:
                 distill=self.distill,
                 host=host,
                 copy_weight=self.copy_weight,
+                dpace=self.dpace,
             )
+
+
+def dpace_settings(drafter: dict) -> dict | None:
+    """TrainStep's `dpace` from the config's drafter section: None for the decayed loss."""
+    return dict(drafter["dpace"]) if drafter["loss"] == "dpace" else None
 
 
 def feature_width(config, distill: float = 0.0) -> int:

@@ -6,6 +6,8 @@ they pass from it. Importing it imports neither torch nor any stage.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dflash.stages.spec import ELSEWHERE, IN, INERT, OUT, PARAM, PATH, REF, Arg, Stage
 
 __all__ = ["ELSEWHERE", "INERT", "STAGES", "TRAINING_CODE", "TRAINING_CONFIG", "Arg", "Stage"]
@@ -14,10 +16,27 @@ __all__ = ["ELSEWHERE", "INERT", "STAGES", "TRAINING_CODE", "TRAINING_CONFIG", "
 # contract) and the config keys it reads.
 TRAINING_CODE = ("dflash.train.loop",)
 BATCHING = ("data.buckets", "data.max_length", "data.token_budget", "data.max_batch_size")
-TRAINING_CONFIG = ("seed", "target.mask_token_id", "drafter", "compile", "train", *BATCHING)
+# The mode the training answers were made in (recorded in the drafter's config.json) and the
+# evaluation's top-p and top-k (tau_sim at train.tau_sim.temperatures) are read too.
+ANSWER_MODE = (
+    *(f"data.regenerate.{k}" for k in ("temperature", "top_p", "top_k")),
+    "data.chat_template_kwargs",
+)
+TRAINING_CONFIG = (
+    "seed",
+    "target.mask_token_id",
+    "drafter",
+    "compile",
+    "train",
+    *BATCHING,
+    *ANSWER_MODE,
+    "eval.sampling.top_p",
+    "eval.sampling.top_k",
+)
 # What the decoding stages read: the eval section, the drafter's loss settings (teacher-forced τ)
-# and the seed (the untrained baseline); cache_dir is where eval sets given as wheels go.
-EVAL_CONFIG = ("seed", "drafter", "eval", "cache_dir")
+# and the seed (the untrained baseline; the streams at temperature); cache_dir is where eval sets
+# given as wheels go; the chat template's arguments render the prompts.
+EVAL_CONFIG = ("seed", "drafter", "eval", "cache_dir", "data.chat_template_kwargs")
 
 
 def decoding(*args: Arg) -> tuple[Arg, ...]:
@@ -61,13 +80,14 @@ TABLE = (
             "seed",
             "cache_dir",
             *(f"data.{k}" for k in ("sources", "on_bad_row", "max_turns", "max_chars")),
-            *(f"data.{k}" for k in ("domain_rows", "train_rows", "eval_rows")),
+            *(f"data.{k}" for k in ("domain_rows", "train_rows", "train_fraction", "eval_rows")),
+            "data.regenerate.samples",  # each training row written this many times
         ),
     ),
     Stage(
         "regenerate",
         "dflash.data.regenerate:run",
-        "rewrite assistant turns with the target (greedy), resumably",
+        "rewrite assistant turns with the target (greedy or sampled), resumably",
         (
             Arg("--target", "target HF directory", REF),
             Arg("--input", "an expanded split parquet", IN),
@@ -89,8 +109,15 @@ TABLE = (
             ),  # fmt: skip
         ),
         rules=("regenerate_shard",),
-        # cache_dir: the file hashes of the target (dflash/filehash.py) that resuming checks
-        config=("data.regenerate", "data.max_length", "cache_dir"),
+        # cache_dir: the file hashes of the target (dflash/filehash.py) that resuming checks;
+        # seed: the streams of sampled answers (data.regenerate.temperature > 0)
+        config=(
+            "data.regenerate",
+            "data.max_length",
+            "data.chat_template_kwargs",
+            "cache_dir",
+            "seed",
+        ),
     ),
     Stage(
         "merge-shards",
@@ -117,7 +144,7 @@ TABLE = (
             Arg("--output", "tokenized parquet to write (its report JSON goes beside it)", OUT),
         ),
         rules=("tokenize",),
-        config=("data.max_length", "data.num_proc"),
+        config=("data.max_length", "data.num_proc", "data.chat_template_kwargs"),
     ),
     Stage(
         "stats",
@@ -191,7 +218,7 @@ TABLE = (
         ),
         rules=("eval_acceptance",),
         config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.ddtree"),
+        inert=("eval.vllm", "eval.ddtree", "eval.sampling"),
     ),
     Stage(
         "ddtree",
@@ -201,7 +228,21 @@ TABLE = (
         rules=("eval_ddtree",),
         config=EVAL_CONFIG,
         # the tree decodes with the trained drafter alone: no baselines, no teacher forcing
-        inert=("eval.vllm", "eval.baselines", "eval.with_lookup", "drafter"),
+        inert=("eval.vllm", "eval.baselines", "eval.with_lookup", "drafter", "eval.sampling"),
+    ),
+    Stage(
+        "sample-eval",
+        "dflash.eval.temperature:run",
+        "the evaluation's methods again at each temperature of eval.sampling",
+        decoding(
+            Arg("--tokenized", "tokenized eval split (tau_sim at temperature)", IN),
+            Arg("--acceptance", "eval's acceptance.json (greedy τ of the same prompts)", IN),
+            Arg("--ddtree", "ddtree's ddtree.json (with eval.sampling.ddtree)", IN, False),
+            Arg("--output", "sampling.json to write", OUT),
+        ),
+        rules=("eval_sampling",),
+        config=EVAL_CONFIG,
+        inert=("eval.vllm", "eval.tie_margin"),
     ),
     Stage(
         "eval-vllm",
@@ -209,6 +250,7 @@ TABLE = (
         "the drafter served by vLLM's DFlash method, beside eval",
         decoding(
             Arg("--acceptance", "eval's acceptance.json", IN),
+            Arg("--sampling", "sample-eval's sampling.json (at temperature)", IN, False),
             Arg("--output", "vllm.json to write", OUT),
         ),
         rules=("eval_vllm",),
@@ -227,6 +269,7 @@ TABLE = (
             Arg("--acceptance", "the evaluation's acceptance.json", IN),
             Arg("--ddtree", "the DDTree evaluation's ddtree.json", IN),
             Arg("--vllm", "eval_vllm's vllm.json, where that stage ran", IN, False),
+            Arg("--sampling", "eval_sampling's sampling.json, where it ran", IN, False),
             Arg("--tokenized", "tokenize's report of the training split", IN, False),
             Arg("--drafter", "the trained drafter's folder, named in the summary", PARAM, False),
             Arg("--serve-target", "the target as a serving engine is given it", PARAM, False),
@@ -286,6 +329,25 @@ TABLE = (
         manifest=False,
         description="Rank the recorded causes (topology, environment, code, config, data) of "
         "the throughput and τ differences between two runs.",
+    ),
+    Stage(
+        "compute-curve",
+        "dflash.eval.compute_curve:run",
+        "τ against training tokens over several runs: a table and a plot",
+        (
+            Arg("runs", "results folders, e.g. one per data size", PATH, True, {"nargs": "+"}),
+            Arg(
+                "--name",
+                "a label per run, in order (default: folder)",
+                None,
+                False,
+                {"action": "append"},
+            ),
+            Arg("--out", "output folder", PATH, False, {"default": Path("compute-curve")}),
+        ),  # fmt: skip
+        manifest=False,
+        description="Read each results folder's metrics (tau_sim against training tokens), "
+        "evaluation (real τ) and data report; write compute_curve.md, .png and .json.",
     ),
     Stage(
         "random-target",

@@ -146,12 +146,13 @@ def subset(config: dict, keys) -> dict:
         if key == "":
             return json.loads(json.dumps(config))
         *parents, leaf = key.split(".")
-        src, dst = config, out
+        src = config
         for p in parents:
-            if not isinstance(src.get(p), dict):
-                break
-            src, dst = src[p], dst.setdefault(p, {})
-        else:
-            if leaf in src:
-                dst[leaf] = json.loads(json.dumps(src[leaf]))
+            src = src.get(p) if isinstance(src, dict) else None
+        if not isinstance(src, dict) or leaf not in src:
+            continue  # no empty parents for a key the config lacks
+        dst = out
+        for p in parents:
+            dst = dst.setdefault(p, {})
+        dst[leaf] = json.loads(json.dumps(src[leaf]))
     return out

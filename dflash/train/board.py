@@ -81,6 +81,9 @@ def scalars(record: dict) -> dict[str, float]:
     out = {tag: record[key] for key, tag in SCALARS.items() if key in record}
     for k, acc in enumerate(record.get("acc", []), start=1):
         out[f"acceptance_per_slot/{k:02d}"] = acc
+    for key, value in record.items():  # tau_sim at each temperature, e.g. tau_sim_T=1
+        if key.startswith("tau_sim_T="):
+            out[f"train/tau_sim_held_out_{key.removeprefix('tau_sim_')}"] = value
     return out
 
 

@@ -17,9 +17,11 @@ from dflash.errors import UserError
 from dflash.model.decoder import layer_output
 from dflash.model.drafter import DrafterConfig
 from dflash.model.precision import native_bf16
+from dflash.model.sampling import Sampling
 from dflash.model.start import check_fits, init_path
 from dflash.model.target import TargetFeatures, load_target, resolve_mask_token
 from dflash.model.tau_sim import capped, simulate, tau_macro
+from dflash.model.tau_sim_sampled import simulate_sampled, target_top
 from dflash.train import comm
 from dflash.train.shard import load_sharded
 from dflash.train.telemetry import sync
@@ -154,6 +156,7 @@ class HeldOut:
     rank has none, or by target group 0 when the target is sharded) and kept on the host."""
 
     def __init__(self, path: Path, rows: int, model):
+        self.tops: dict[str, list] = {}  # per temperature's label, each row's target top tokens
         self.rows = []
         for ids, mask in held_out_rows(path, rows):
             ids_t = torch.tensor([ids], device=model.device)
@@ -174,6 +177,7 @@ class HeldOut:
         model = target or FeatureModel.load(target_dir, layer_ids, ctx.device, config)
         held_out = cls(path, rows, model)
         del model
+        held_out.tops = sampled_tops(target_dir, held_out.rows, config, ctx.device)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         return held_out
@@ -191,7 +195,38 @@ class HeldOut:
             responses = simulate(drafter, embed, head, [row], autocast=autocast)
             every += responses
             first += [capped(responses[0], max_new_tokens)] if responses else []
-        return {"tau_sim": tau_macro(every), "tau_sim_first": tau_macro(first)}
+        out = {"tau_sim": tau_macro(every), "tau_sim_first": tau_macro(first)}
+        for label, tops in self.tops.items():  # expected τ of speculative sampling, every turn
+            taus = []
+            for (f, ids, mask), top in zip(self.rows, tops, strict=True):
+                row = (f.to(device, dtype), ids, mask, top)
+                taus += simulate_sampled(drafter, embed, head, [row], autocast=autocast)
+            taus = [t for t in taus if t is not None]
+            out[f"tau_sim_{label}"] = round(sum(taus) / len(taus), 4) if taus else None
+        return out
+
+
+def sampled_tops(target_dir: Path, rows: list, config: dict, device: torch.device) -> dict:
+    """Each held-out row's most likely target tokens per position at every temperature of
+    `train.tau_sim.temperatures` (with eval.sampling's top-p and top-k), from the whole target
+    loaded once for it (a sharded target's rows get none: tau_sim at temperature is then off)."""
+    temperatures = config["train"]["tau_sim"].get("temperatures") or []
+    if not temperatures or not rows:
+        return {}
+    if config["train"]["topology"].get("target_shards", 1) > 1:
+        log.info("tau_sim at temperature: off with a sharded target")
+        return {}
+    cfg = config["eval"]["sampling"]
+    model = load_target(target_dir, dtype=target_dtype(device), device=device)
+    samplings = [Sampling(t, cfg["top_p"], cfg["top_k"]) for t in temperatures]
+    tops: dict[str, list] = {s.label: [] for s in samplings}
+    with torch.no_grad():
+        for _, ids, _ in rows:
+            logits = model(input_ids=ids[None].to(device)).logits[0]
+            for s in samplings:
+                tops[s.label].append(target_top(logits, s))
+    del model
+    return tops
 
 
 class ReceivedFeatures:

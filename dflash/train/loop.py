@@ -30,6 +30,7 @@ from dflash.errors import UserError
 from dflash.host import STARTUP_PHASES, describe_host, process_age_s
 from dflash.io import atomic_path, write_json
 from dflash.model.drafter import save_drafter
+from dflash.model.sampling import serving_mode
 from dflash.model.start import init_path
 from dflash.stages import ELSEWHERE
 from dflash.train import comm
@@ -132,7 +133,7 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> dict | str:
     if ctx.rank != 0:
         return ELSEWHERE
     live = trainer.live_metrics
-    save_drafter(trainer.drafter, args.out)
+    save_drafter(trainer.drafter, args.out, trained_on=serving_mode(config))
     lines = live.read_text().splitlines()
     records = [json.loads(line) for line in lines]
     summary = summarize(records, ctx.topology.as_dict(), config["train"]["queue_depth"])
@@ -143,6 +144,7 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> dict | str:
     summary["startup_split_s"] = startup_split(imported_s, built_s, trainer)
     # whether this rank's target features ran compiled (None: features came from target ranks)
     summary["target_compiled"] = trainer.target.compiled if trainer.target else None
+    summary["trained_on"] = serving_mode(config)  # how its training answers were made
     log.info("throughput: %s", summary.get("verdict", "no steps"))
     log.info("host during training: %s", describe_host(summary.get("host")))
     write_json(args.summary, summary)

@@ -49,6 +49,9 @@ def describe(record: dict) -> str:
     sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
     if "tau_sim_first" in record:
         sim += f" (first answers {record['tau_sim_first']:.3f})"
+    for key, value in record.items():  # at temperature: tau_sim_T=1 ...
+        if key.startswith("tau_sim_T="):
+            sim += f" {key.removeprefix('tau_sim_')} {value:.3f}"
     return (
         f"loss {record['loss']:.4f} tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
         f"{record['tokens_per_s']:.0f} tok/s{depth}"

@@ -1,5 +1,5 @@
-"""A drafter rank: the DFlash step under DDP, AdamW with a cosine schedule, checkpoints, and one
-logged line per optimizer step (live metrics, TensorBoard, tau_sim)."""
+"""A drafter rank: the DFlash step under DDP, the optimiser and its schedule (`optim.py`),
+checkpoints, and one logged line per optimizer step (live metrics, TensorBoard, tau_sim)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config import check_levers
 from dflash.errors import UserError
 from dflash.host import HostMonitor, process_age_s
 from dflash.io import sha256_file
@@ -19,10 +20,16 @@ from dflash.manifest import code_hash
 from dflash.model.drafter import Drafter
 from dflash.model.objective import default_gamma
 from dflash.model.start import init_identity, initialise
-from dflash.model.step import TrainStep, feature_width, resolve_attention, run_shapes
+from dflash.model.step import (
+    TrainStep,
+    dpace_settings,
+    feature_width,
+    resolve_attention,
+    run_shapes,
+)
 from dflash.model.target import load_embeddings
 from dflash.stages import TRAINING_CODE
-from dflash.train import comm
+from dflash.train import comm, optim
 from dflash.train.batches import batch_generator
 from dflash.train.board import Board
 from dflash.train.checkpoint import BackgroundCheckpoints, load_state
@@ -40,18 +47,6 @@ from dflash.train.telemetry import Window, node_gpu_uuids, step_record, watch_sy
 log = logging.getLogger(__name__)
 
 
-def cosine_with_warmup(total_steps: int, warmup_ratio: float):
-    warmup = max(1, round(total_steps * warmup_ratio))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
 class Trainer:
     """A drafter rank."""
 
@@ -65,6 +60,7 @@ class Trainer:
         held_out: Path | None = None,
     ):
         self.ctx, self.config, self.batches, self.checkpoints = ctx, config, batches, checkpoints
+        check_levers(config)
         self.writer = BackgroundCheckpoints()
         t, d, data = config["train"], config["drafter"], config["data"]
         self.topo = ctx.topology
@@ -90,6 +86,8 @@ class Trainer:
         with torch.device(self.device):
             self.drafter = Drafter(self.dcfg)
         log.info(initialise(self.drafter, d["init"], target_dir))
+        if frozen := optim.freeze_layers(self.drafter, config):  # before DDP wraps the drafter
+            log.info("frozen (train.finetune.freeze_layers): %s", ", ".join(frozen))
         gamma = d["gamma"] or default_gamma(d["block_size"])
         self.ddp = ctx.drafter_group is not None
         self.step_fn = TrainStep(
@@ -104,13 +102,7 @@ class Trainer:
             wrap=self._ddp if self.ddp else None,
             distill=t["distill"],
             copy_weight=d["copy_anchor_weight"],
-        )
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=t["lr"],
-            weight_decay=t["weight_decay"],
-            betas=(0.9, 0.95),
-            fused=self.device.type == "cuda",
+            dpace=dpace_settings(d),
         )
         per_rank = self.topo.usable(len(batches.plan(0))) // self.topo.drafters
         if per_rank == 0:
@@ -119,8 +111,8 @@ class Trainer:
                 f"({self.topo.drafters}): use more data or fewer drafters"
             )
         self.total_steps = t["epochs"] * math.ceil(per_rank / t["grad_accum"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, cosine_with_warmup(self.total_steps, t["warmup_ratio"])
+        self.optimizer, self.scheduler = optim.build(
+            self.drafter, config, self.total_steps, self.device
         )
         self.contract = {
             "drafter": self.dcfg.to_hf(),
@@ -143,6 +135,8 @@ class Trainer:
                 if d["copy_anchor_weight"] != 1.0
                 else {}
             ),
+            **({"loss": {"name": d["loss"], **d["dpace"]}} if d["loss"] != "decayed" else {}),
+            **optim.contract(config),
             # The training code itself (the train rule's code param): resuming a run with other
             # code would silently mix two runs, or re-export a finished one.
             "code": code_hash(*TRAINING_CODE),

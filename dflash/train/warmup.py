@@ -60,6 +60,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
     from dflash.model.drafter import Drafter, DrafterConfig
     from dflash.model.step import (
         TrainStep,
+        dpace_settings,
         feature_width,
         resolve_attention,
         resolve_device,
@@ -95,6 +96,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         compile_scope=ccfg["scope"],
         distill=config["train"]["distill"],
         copy_weight=dcfg["copy_anchor_weight"],
+        dpace=dpace_settings(dcfg),
     )
     width = feature_width(cfg, config["train"]["distill"])
     # step_s is the fastest step after the first: on an H200 the one step right after compiling

@@ -15,6 +15,8 @@
 # $OUT/chat, keeps its drafter in /tmp/drafter-chat, puts the whole split in its place and
 # starts the fine-tune (target, expand and the eval split reused). Called again, it only waits.
 # (2026-12-06: the two calls ran in 562 s and 422 s, the fine-tune's evaluation included.)
+# $FINETUNE: one more config merged over the fine-tune's, e.g. FINETUNE=bench/h200-finetune.yaml
+# (issue 57: the fine-tune's own peak lr, warmup and frozen layers).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 H=tools/gpu-box/h200.sh
@@ -46,7 +48,7 @@ finetune)
     rm -rf /tmp/drafter-chat /tmp/chat && cp -r $R/drafter /tmp/drafter-chat
     mkdir -p /tmp/chat && mv $R/drafter $R/train $R/checkpoints $R/data/stats $R/logs /tmp/chat/
     mkdir -p $R/logs && cat .carrydata/data.tar.part-* | tar x -C $R # the whole split
-    SPLITS=eval bash $H stages $CONFIGS,tools/gpu-box/h200-init-chat.yaml stats train eval
+    SPLITS=eval bash $H stages $CONFIGS,tools/gpu-box/h200-init-chat.yaml${FINETUNE:+,$FINETUNE} stats train eval
     touch /tmp/finetune-started
   fi
   bash $H wait "$(left "$2")"

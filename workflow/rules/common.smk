@@ -301,6 +301,8 @@ def recorded_rules():
     names += ["eval_acceptance", "eval_ddtree", "report"]
     if WITH_VLLM:  # eval.smk, included before the record rule calls this
         names.append("eval_vllm")
+    if WITH_SAMPLING:
+        names.append("eval_sampling")
     if config["data"]["regenerate"]["enabled"]:
         names += ["regenerate_shard", "regenerate"]
     return names

@@ -2,6 +2,8 @@
 # baselines, DDTree, and the report a person reads first (results/summary.md).
 
 
+# the evaluation at temperature, where eval.sampling names temperatures
+WITH_SAMPLING = bool(config["eval"]["sampling"]["temperatures"])
 # vLLM serves the drafter where it is installed on a GPU host (eval.vllm.enabled: auto), or always
 WITH_VLLM = config["eval"]["vllm"]["enabled"] is True or (
     config["eval"]["vllm"]["enabled"] == "auto"
@@ -60,6 +62,38 @@ rule eval_ddtree:
         " --output {output.ddtree} --manifest {output.manifest} > {log} 2>&1"
 
 
+rule eval_sampling:
+    """The evaluation's methods again at each temperature of eval.sampling (speculative
+    sampling as the engines serve), beside the greedy τ of the same prompts; tau_sim there.
+    """
+    input:
+        **eval_inputs(),
+        tokenized=f"{R}/data/tokenized/eval.parquet",
+        acceptance=f"{R}/eval/acceptance.json",
+        ddtree=[f"{R}/eval/ddtree.json"] if config["eval"]["sampling"]["ddtree"] else [],
+    output:
+        sampling=report(f"{R}/eval/sampling.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_sampling.json",
+    log:
+        f"{R}/logs/eval_sampling.log",
+    threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    params:
+        **triggers("eval_sampling", eval_files()),
+        config=stage_config("eval_sampling"),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        ddtree=lambda wildcards, input: (
+            f" --ddtree {input.ddtree[0]}" if input.ddtree else ""
+        ),
+        target=passed(TARGET),
+    shell:
+        "OMP_NUM_THREADS={threads} python -m dflash sample-eval --config {params.config:q}"
+        " --target {params.target} --drafter {params.drafter} --held-out {input.held_out}"
+        " --tokenized {input.tokenized} --acceptance {input.acceptance}{params.ddtree}"
+        " --output {output.sampling} --manifest {output.manifest} > {log} 2>&1"
+
+
 rule eval_vllm:
     """vLLM's DFlash method serving the run's target and drafter on the same prompts: its own
     acceptance length per prompt and tokens/s, beside the target alone in vLLM and our τ.
@@ -67,6 +101,7 @@ rule eval_vllm:
     input:
         **eval_inputs(),
         acceptance=f"{R}/eval/acceptance.json",
+        sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
     output:
         vllm=report(f"{R}/eval/vllm.json", category="Evaluation"),
         manifest=f"{R}/manifests/eval_vllm.json",
@@ -80,10 +115,13 @@ rule eval_vllm:
         config=stage_config("eval_vllm"),
         drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
         target=passed(TARGET),
+        sampling=lambda wildcards, input: (
+            f" --sampling {input.sampling[0]}" if input.sampling else ""
+        ),
     shell:
         "python -m dflash eval-vllm --config {params.config:q} --target {params.target}"
         " --drafter {params.drafter} --held-out {input.held_out}"
-        " --acceptance {input.acceptance} --output {output.vllm}"
+        " --acceptance {input.acceptance}{params.sampling} --output {output.vllm}"
         " --manifest {output.manifest} > {log} 2>&1"
 
 
@@ -96,6 +134,7 @@ rule report:
         acceptance=f"{R}/eval/acceptance.json",
         ddtree=f"{R}/eval/ddtree.json",
         vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
+        sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
         tokenized=f"{R}/data/tokenized/train.report.json",
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
@@ -107,13 +146,16 @@ rule report:
         **triggers("report"),
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
+        sampling=lambda wildcards, input: (
+            f" --sampling {input.sampling[0]}" if input.sampling else ""
+        ),
         # the summary names the drafter and the target to serve it with
         drafter=DRAFTER,
         serve_target=SERVE_TARGET,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree}{params.vllm} --tokenized {input.tokenized}"
+        " --ddtree {input.ddtree}{params.vllm}{params.sampling} --tokenized {input.tokenized}"
         " --drafter {params.drafter:q} --serve-target {params.serve_target:q}"
         " --summary {output.summary} --plots {params.plots}"
         " --manifest {output.manifest} > {log} 2>&1"
