@@ -34,7 +34,8 @@ stage's arguments; docs/workflow.md has the rule behind each."""
 def load(value: str) -> dict:
     if value.lstrip().startswith("{"):
         try:
-            return check_paths(validate(json.loads(value), "--config JSON"), "--config JSON")
+            config = json.loads(value)
+            return check_paths(validate(config, cli=config), "--config JSON")
         except json.JSONDecodeError as e:
             raise ConfigError(f"--config is not valid JSON: {e}") from e
     return check_paths(load_config(value), value)
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "config"):
             args.config = load(args.config)
+            if args.command in ("stats", "warmup", "train", "eval", "ddtree"):
+                _auto_sizes(args)  # the stages that read the batch sizes
         # before any work: what the stage reads is still what its producer wrote
         manifest = getattr(args, "manifest", None)
         config = getattr(args, "config", None) or {}
@@ -157,6 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"dflash {args.command}: error: {error}")
         return 1
     return 0
+
+
+def _auto_sizes(args) -> None:
+    """`auto` batch sizes in a config given by hand (the workflow passes numbers), resolved as
+    the workflow would: from this host's GPUs and the stage's --target."""
+    from shutil import which
+
+    from dflash import auto_memory
+
+    on_gpu = which("nvidia-smi") is not None
+    chosen = auto_memory.resolve(args.config, on_gpu, getattr(args, "target", None), None)
+    if chosen.note:
+        log.info("%s", chosen.note)
 
 
 def _paths(args) -> list[Path]:

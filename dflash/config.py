@@ -47,13 +47,17 @@ def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
-def validate(config: dict, source: str = "config") -> dict:
-    """Fill defaults in place and raise ConfigError naming the offending key."""
+def validate(config: dict, configfiles=(), cli: dict | None = None) -> dict:
+    """Fill defaults in place and raise ConfigError with one line per mistake: where it is (the
+    file and line of `configfiles` that set the key, or `--config` for a key of `cli`), the key,
+    and what is wrong (`dflash.config_errors`)."""
+    from dflash.config_errors import one_line
+
     validator = _with_defaults(jsonschema.Draft202012Validator)(load_schema())
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        lines = [f"  {'.'.join(map(str, e.absolute_path)) or '<top>'}: {e.message}" for e in errors]
-        raise ConfigError(f"invalid configuration in {source}:\n" + "\n".join(lines))
+        files = [str(f) for f in configfiles]
+        raise ConfigError("\n".join(line for e in errors for line in one_line(e, files, cli)))
     return config
 
 
@@ -192,7 +196,7 @@ def load_config(path: str | os.PathLike) -> dict:
         raise ConfigError(f"cannot read config {path}: {e}") from e
     if not isinstance(config, dict):
         raise ConfigError(f"config {path} must be a mapping, got {type(config).__name__}")
-    return validate(config, str(path))
+    return validate(config, [path])
 
 
 def expand_user(path: str) -> Path:

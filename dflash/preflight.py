@@ -14,6 +14,7 @@ belongs (a later check may rely on an earlier one: the config has its nested def
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -36,10 +37,19 @@ class Run:
     configfiles: tuple[str, ...] = ()
     workdir: Path = field(default_factory=Path.cwd)
     python: str = sys.executable
+    # `snakemake --unlock`: it plans nothing, so no check of what a plan would make applies
+    unlocking: bool = False
+    # the keys given with `--config key=value`, which the config's errors name as such
+    cli_config: dict = field(default_factory=dict)
 
     @property
     def results(self) -> Path:
         return Path(self.config["results"])
+
+    @property
+    def configfile_names(self) -> list[str]:
+        """The config files as paths from the working directory, as a user gives them again."""
+        return [os.path.relpath(Path(self.workdir, f), self.workdir) for f in self.configfiles]
 
     @property
     def drafter(self) -> Path:
@@ -48,12 +58,14 @@ class Run:
 
 
 Check = Callable[[Run], "str | None"]
+EMBEDDED = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
 
 
 def config_is_valid(run: Run) -> None:
     """The schema's nested defaults filled in; every path the config names exists; held-out
     counts and held-out eval sets name sources that exist; training's levers go together."""
-    check_paths(validate(run.config, "workflow config"), "the workflow config")
+    files = run.configfile_names or [os.path.relpath(EMBEDDED, run.workdir)]
+    check_paths(validate(run.config, files, run.cli_config), "the workflow config")
     check_sources(run.config, "the workflow config")
     check_levers(run.config, "the workflow config")
 
@@ -76,14 +88,48 @@ def locks_explained(run: Run) -> str | None:
     return locks.explain(run.workdir) if run.main_process else None
 
 
-def own_target_has_a_mask_token(run: Run) -> None:
-    """No rule builds a user's own target (target.path), so its mask token is checked here (the
-    target rule checks those it builds): found missing by training, it would cost regeneration."""
-    target = run.config["target"]
-    if target["path"]:
-        from dflash.model.target import resolve_mask_token
+def own_target_defaults(run: Run) -> str | None:
+    """A target the workflow does not build is checked here (the target rule and the compile
+    warmup check those it builds): its MASK token, chosen among the special tokens its chat
+    template never emits when `target.mask_token_id` is null, and `drafter.target_layer_ids`
+    inside its depth. Found by training, either cost regeneration. Says what was chosen."""
+    target, drafter = run.config["target"], run.config["drafter"]
+    if target["random_init"]:  # its tokenizer comes with the target rule; its depth is known
+        from dflash.model.layer_ids import check_layer_ids
 
-        resolve_mask_token(target["path"], target["mask_token_id"])
+        path = Path(target["random_init"]["config"])
+        depth = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        layers = depth.get("text_config", depth)["num_hidden_layers"]
+        check_layer_ids(drafter["target_layer_ids"], layers, drafter["num_layers"], str(path))
+        return None
+    if not target["path"]:
+        return None
+    from transformers import AutoConfig
+
+    from dflash.model.layer_ids import check_layer_ids, default_layer_ids
+    from dflash.model.mask_token import mask_token_choice
+
+    mask, how = mask_token_choice(target["path"], target["mask_token_id"])
+    layers = AutoConfig.from_pretrained(target["path"]).get_text_config().num_hidden_layers
+    check_layer_ids(drafter["target_layer_ids"], layers, drafter["num_layers"], target["path"])
+    chosen = []
+    if target["mask_token_id"] is None:
+        chosen.append(f"target.mask_token_id: null -> {mask}, {how}")
+    if not drafter["target_layer_ids"]:
+        ids = default_layer_ids(layers, drafter["num_layers"])
+        chosen.append(f"drafter.target_layer_ids: null -> {ids} (of its {layers} layers)")
+    return f"target {target['path']}: " + "; ".join(chosen) if chosen else None
+
+
+def results_belong_to_this_config(run: Run) -> str | None:
+    """A command whose config makes something else than the run already in `results` is
+    refused before any job (dflash.run_owner); `--unlock` makes nothing and is let through."""
+    if not run.main_process or run.unlocking:
+        return None
+    from dflash import run_owner
+
+    folder = run.workdir / run.results
+    return run_owner.check(run.config, run.configfile_names, folder, str(run.results))
 
 
 def init_drafter_fits(run: Run) -> None:
@@ -113,8 +159,9 @@ CHECKS: list[Check] = [
     config_is_valid,
     python_is_the_environment,
     locks_explained,
-    own_target_has_a_mask_token,
+    own_target_defaults,
     init_drafter_fits,
+    results_belong_to_this_config,
 ]
 
 

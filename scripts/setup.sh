@@ -12,3 +12,8 @@ u = json.loads(m.distribution("dflash").read_text("direct_url.json") or "{}")
 sys.exit(u.get("url") != "file://" + os.getcwd())' 2>/dev/null &&
     .venv/bin/python -m pip uninstall -q -y dflash
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# Snakemake names neither the file nor the line of a --configfile that is not valid YAML: every
+# Python of this environment wraps its loader so that it does (dflash/yaml_lines.py).
+.venv/bin/python -c 'import pathlib, site
+line = "import importlib.util as u; u.find_spec(\"dflash\") and __import__(\"dflash.yaml_lines\").yaml_lines.install()\n"
+pathlib.Path(site.getsitepackages()[0], "dflash_yaml_lines.pth").write_text(line)'

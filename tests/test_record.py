@@ -13,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import Workflow
+from conftest import OVER, Workflow
 
 from dflash.compare import compare, load_run
 from dflash.record import VOLATILE, data_summary
@@ -297,8 +297,8 @@ def test_compare_cli_text_and_json(run_a, run_b, tmp_path):
     assert bad.returncode == 1 and "neither a MANIFEST.json nor a results folder" in bad.stderr
 
 
-def planned(flow: Workflow, config: str = "tiny.yaml") -> set[str]:
-    return set(flow.planned_jobs("all", config=config)) - {"all"}
+def planned(flow: Workflow, config: str = "tiny.yaml", *args: str) -> set[str]:
+    return set(flow.planned_jobs("all", *args, config=config)) - {"all"}
 
 
 def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[str]:
@@ -353,7 +353,7 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     config["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(config))
-    assert planned(flow, "lr.yaml") == DOWNSTREAM_OF_TRAINING
+    assert planned(flow, "lr.yaml", *OVER) == DOWNSTREAM_OF_TRAINING  # told: another config
 
     data_rules = {"expand_dataset", "regenerate_shard", "regenerate", "tokenize", "length_stats"}
     # the compile warmup's shapes come from the config, not the data: it does not rerun
@@ -383,10 +383,12 @@ def test_compare_reads_a_results_folder_without_a_record(run_a, run_b):
         manifest.with_suffix(".bak").rename(manifest)
 
 
-def test_the_html_report_carries_the_run_record(run_a):
+def test_the_html_report_carries_the_run_record_and_the_rule_graph(run_a):
     run_a.run("--report", "report.html")
     html = (run_a.workdir / "report.html").read_text()
     assert "MANIFEST.json" in html and "Run record" in html
+    # Snakemake's report draws the rule graph: its edges are in the page
+    assert '"sourcerule": "train", "targetrule": "eval_acceptance"' in html
 
 
 def test_a_changed_training_key_really_retrains(run_b):
@@ -397,7 +399,7 @@ def test_a_changed_training_key_really_retrains(run_b):
     config = yaml.safe_load((run_b.workdir / "tiny.yaml").read_text())
     config["train"] = {"lr": 5.0e-4}
     (run_b.workdir / "lr.yaml").write_text(yaml.safe_dump(config))
-    run_b.run("train", config="lr.yaml")
+    run_b.run("train", *OVER, config="lr.yaml")  # another config file: told so
     assert len(list((run_b.results / "checkpoints").glob("run-*"))) == 2
     log = (run_b.results / "logs/train.log").read_text()
     assert "lr" in log.split("the latest differs in:")[1]

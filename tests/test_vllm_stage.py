@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import Workflow
+from conftest import OVER, Workflow
 
 from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
@@ -173,18 +173,20 @@ def test_eval_vllm_is_planned_alone_when_enabled_and_refused_without_vllm(
     (workdir / "stale.yaml").write_text(yaml.safe_dump(config))
     config["eval"]["vllm"] = {"enabled": True}
     (workdir / "vllm.yaml").write_text(yaml.safe_dump(config))
-    before = flow.planned_jobs("all", config="stale.yaml")
+    before = flow.planned_jobs("all", *OVER, config="stale.yaml")
     assert {"train", "eval_acceptance", "eval_ddtree"} <= before.keys()
-    assert flow.planned_jobs("all", config="vllm.yaml") == {**before, "eval_vllm": 1}
+    assert flow.planned_jobs("all", *OVER, config="vllm.yaml") == {**before, "eval_vllm": 1}
     # the run record hashes what eval_vllm writes, as every other stage's outputs
-    dry = flow.run("-n", "all", config="vllm.yaml").stdout
+    dry = flow.run("-n", "all", *OVER, config="vllm.yaml").stdout
     record_inputs = dry.split("rule record:")[1].split("output:")[0]
     assert "results/eval/vllm.json" in record_inputs
     assert "results/manifests/eval_vllm.json" in record_inputs
     # eval.vllm is not a param of the evaluation it is compared with
-    changed = flow.run("--list-changes", "params", config="vllm.yaml").stdout
+    changed = flow.run("--list-changes", "params", *OVER, config="vllm.yaml").stdout
     assert "eval/acceptance.json" not in changed and "eval/ddtree.json" not in changed
-    done = flow.run("eval_vllm", "--allowed-rules", "eval_vllm", config="vllm.yaml", check=False)
+    done = flow.run(
+        "eval_vllm", "--allowed-rules", "eval_vllm", *OVER, config="vllm.yaml", check=False
+    )
     assert done.returncode != 0
     log = (workdir / "results/logs/eval_vllm.log").read_text()
     assert "vLLM is not installed here" in log and "eval.vllm.enabled: false" in log

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import TESTS, Workflow
+from conftest import OVER, TESTS, Workflow
 
 from dflash.io import sha256_file, sha256_tree
 from dflash.train import launch
@@ -92,7 +92,7 @@ def test_a_config_file_given_on_the_command_line_replaces_the_embedded_default(t
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     del config["data"]["train_rows"]
     (flow.workdir / "uncapped.yaml").write_text(yaml.safe_dump(config))
-    out = flow.run("-n", "-p", "-f", "expand_dataset", config="uncapped.yaml").stdout
+    out = flow.run("-n", "-p", "-f", "expand_dataset", *OVER, config="uncapped.yaml").stdout
     assert '"train_rows": null' in out and '"train_rows": 256' not in out
 
 
@@ -110,28 +110,42 @@ def test_a_template_source_reaches_expand_with_its_braces(tiny_workflow):
     config["data"]["sources"].append(prompts)
     config["data"]["domain_rows"] = {"chat": 3}
     (flow.workdir / "template.yaml").write_text(yaml.safe_dump(config))
-    out = flow.run("-n", "-p", "-f", "all", config="template.yaml").stdout
+    out = flow.run("-n", "-p", "-f", "all", *OVER, config="template.yaml").stdout
     line = next(x for x in out.splitlines() if "python -m dflash expand" in x)
     data = json.loads(shlex.split(line)[shlex.split(line).index("--config") + 1])["data"]
     assert data["sources"][-1]["template"] == template and data["domain_rows"] == {"chat": 3}
 
 
-def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow, target_dir):
-    """target.path has no rule that would check it: the workflow checks it when it starts (the
-    SmolLM2 tokenizer has no mask token), naming the special tokens; with the id set it plans."""
+def test_a_local_targets_defaults_are_chosen_or_refused_before_any_job(tiny_workflow, target_dir):
+    """target.path has no rule that would check it: the workflow checks it when it starts. With
+    target.mask_token_id null, the first special token SmolLM2's chat template never emits is
+    chosen and said (it listed <|endoftext|>, <|im_start|>, <|im_end|> to pick from); an id the
+    template emits is refused, and so are layer ids outside the target's 30 layers."""
     import yaml
 
     flow = tiny_workflow
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     config["target"] = {"path": str(target_dir), "mask_token_id": None}
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
-    done = flow.run("-n", "train", config="local-target.yaml", check=False)
-    assert done.returncode != 0
-    assert "has no mask token: set target.mask_token_id" in done.stderr + done.stdout
-    assert "0 '<|endoftext|>'" in done.stderr + done.stdout
-    config["target"]["mask_token_id"] = 3
+    elsewhere = ("--config", "results=results-local-target")  # not over the tiny run
+    done = flow.run("-n", "train", *elsewhere, config="local-target.yaml")
+    said = done.stderr + done.stdout
+    assert "target.mask_token_id: null -> 3, the first unused special token '<repo_name>'" in said
+    assert "drafter.target_layer_ids: null -> [15] (of its 30 layers)" in said
+    assert "train" in flow.planned_jobs("train", *elsewhere, config="local-target.yaml")
+    config["target"]["mask_token_id"] = 2
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
-    assert "train" in flow.planned_jobs("train", config="local-target.yaml")
+    done = flow.run("-n", "train", *elsewhere, config="local-target.yaml", check=False)
+    assert done.returncode != 0
+    assert "target.mask_token_id: 2 '<|im_end|>' is a token the chat" in done.stderr + done.stdout
+    config["target"]["mask_token_id"] = 3
+    config["drafter"]["target_layer_ids"] = [30]
+    (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
+    done = flow.run("-n", "train", *elsewhere, config="local-target.yaml", check=False)
+    said = done.stderr + done.stdout
+    assert done.returncode != 0 and "drafter.target_layer_ids: [30] outside the 30 layers" in said
+    assert "valid ids are 0..29" in said
+    config["drafter"]["target_layer_ids"] = None
     # a drafter to start from that was made for another target is refused as early
     from dflash.model.drafter import Drafter, DrafterConfig, save_drafter
 
@@ -143,7 +157,7 @@ def test_a_local_target_without_a_mask_token_fails_before_any_job(tiny_workflow,
     save_drafter(Drafter(other), flow.workdir / "drafters" / "other-target")
     config["drafter"]["init"] = "drafters/other-target"
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
-    done = flow.run("-n", "train", config="local-target.yaml", check=False)
+    done = flow.run("-n", "train", *elsewhere, config="local-target.yaml", check=False)
     assert done.returncode != 0
     assert "hidden_size: init 32, run 576 (the target)" in done.stderr + done.stdout
 
@@ -190,6 +204,12 @@ def test_the_documented_graph_commands_run_and_the_rule_graph_is_current(tiny_wo
     flow = tiny_workflow
     dag = flow.run("stats", "--dag").stdout
     assert dag.lstrip().startswith("digraph") and dag.count("->") >= 5
+    # README's two pictures of the jobs: with graphviz (which it says how to install) and without
+    readme = (REPO / "README.md").read_text()
+    assert "--dag | dot -Tsvg > dag.svg" in readme and "apt-get install graphviz" in readme
+    assert "all --dag mermaid-js > dag.mmd" in readme
+    jobs = flow.run("stats", "--dag", "mermaid-js").stdout
+    assert "flowchart TB" in jobs and len(mermaid_edges(jobs)) >= 5
     drawn = mermaid_edges(flow.run("all", "--rulegraph", "mermaid-js").stdout)
     doc = (REPO / "docs" / "workflow.md").read_text()
     block = doc.split("```mermaid", 1)[1].split("```", 1)[0]
@@ -353,7 +373,8 @@ def test_train_rule_runs_torchrun_writes_the_drafter_and_reruns_alone_on_a_train
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     changed["train"] = {"lr": 5.0e-4}
     (flow.workdir / "lr.yaml").write_text(yaml.safe_dump(changed))
-    assert set(flow.planned_jobs("train", config="lr.yaml")) == {"train"}
+    # another config file over this run: told so (else refused, test_own_model)
+    assert set(flow.planned_jobs("train", *OVER, config="lr.yaml")) == {"train"}
 
 
 def test_a_drafter_to_start_from_reruns_training_alone_and_its_files_are_its_identity(
@@ -373,21 +394,21 @@ def test_a_drafter_to_start_from_reruns_training_alone_and_its_files_are_its_ide
     config = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     config["drafter"]["init"] = "drafters/run-1"
     (flow.workdir / "init.yaml").write_text(yaml.safe_dump(config))
-    assert flow.planned_jobs("train", config="init.yaml") == {"train": 1}
+    assert flow.planned_jobs("train", *OVER, config="init.yaml") == {"train": 1}
     try:
-        flow.run("train", config="init.yaml")
+        flow.run("train", *OVER, config="init.yaml")
         manifest = json.loads((flow.results / "manifests/train.json").read_text())
         assert manifest["inputs"]["init"] == "drafters/run-1"
         weights = init / "model.safetensors"
         assert manifest["input_sha256"]["init"]["model.safetensors"] == sha256_file(weights)
         for path in init.iterdir():
             path.touch()
-        assert flow.planned_jobs("train", config="init.yaml") == {}
+        assert flow.planned_jobs("train", *OVER, config="init.yaml") == {}
         state = load_file(weights)
         save_file({k: v * 2 for k, v in state.items()}, weights, metadata={"format": "pt"})
-        assert flow.planned_jobs("train", config="init.yaml") == {"train": 1}
+        assert flow.planned_jobs("train", *OVER, config="init.yaml") == {"train": 1}
     finally:
-        flow.run("train")  # the random start again: its finished checkpoint is exported again
+        flow.run("train", *OVER)  # the random start again: its checkpoint is exported again
     assert sha256_file(trained_drafter / "model.safetensors") == trained
 
     config["drafter"]["init"] = "results/drafter"

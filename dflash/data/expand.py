@@ -15,7 +15,7 @@ import polars as pl
 
 from dflash.config import check_sources, expand_user
 from dflash.data import domains
-from dflash.data.normalize import BadRow, clean, conversation_id, from_template, to_turns
+from dflash.data.normalize import BadRow, chars, clean, conversation_id, from_template, to_turns
 from dflash.data.sources import DataError, SourceInfo, read_source
 from dflash.data.textmatch import normalized, probe, searchable, user_turns
 from dflash.io import atomic_path, write_json
@@ -33,7 +33,9 @@ MALFORMED = {
 EXAMPLES_PER_REASON = 5
 log = logging.getLogger(__name__)
 
-CONVERSATION = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
+# `extra`: JSON of a turn's tool calls or tool-result keys (dflash.data.tools), null otherwise
+TURN = pl.Struct({"role": pl.String, "content": pl.String, "extra": pl.String})
+CONVERSATION = pl.List(TURN)
 
 
 def _row_problem(row, max_turns, template=None):
@@ -74,9 +76,9 @@ def collect(data_cfg: dict, cache_dir: Path) -> tuple[list[dict], dict]:
             read += 1
             turns, repairs, bad = _row_problem(raw, data_cfg["max_turns"], spec.get("template"))
             if bad is None and max_chars is not None:
-                chars = sum(len(t["content"]) for t in turns)
-                if chars > max_chars:
-                    bad = BadRow("too_long", f"{chars} chars > max_chars={max_chars}")
+                length = chars(turns)
+                if length > max_chars:
+                    bad = BadRow("too_long", f"{length} chars > max_chars={max_chars}")
             if bad is None:
                 row_id = conversation_id(turns)
                 if row_id in seen:

@@ -9,10 +9,12 @@ in either engine a row's answers depend on its own prompt and key alone, not on 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+from dflash.data import tools
 from dflash.data.bounded import encode_bounded
 from dflash.errors import UserError
 from dflash.gpus import claim_gpu
@@ -27,8 +29,8 @@ def _prompt_ids(tokenizer, turns: list[dict], max_prompt: int, template=None) ->
     `template`: extra chat-template arguments (`data.chat_template_kwargs`)."""
 
     def ids(short):
-        out = tokenizer.apply_chat_template(
-            short, add_generation_prompt=True, tokenize=True, **(template or {})
+        out = tools.render(
+            tokenizer, short, generation_prompt=True, tokenize=True, **(template or {})
         )
         out = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         return out, len(out)
@@ -138,15 +140,30 @@ class Generator:
         return results
 
 
+@lru_cache(maxsize=4)
+def _drops_calls(tokenizer) -> bool:
+    return tools.template_drops_calls(tokenizer) is not None
+
+
 class Conversation:
     """One row being regenerated: its turns so far and the assistant turns still to do. Each
     assistant turn is answered with the turns before it as the prompt, earlier assistant turns
-    already replaced by the target's own answers."""
+    already replaced by the target's own answers.
+
+    A turn with tool calls is kept as the data has it (the calls, and the results after them,
+    come from the tools, which regeneration cannot run); the plain answers around them are the
+    target's. Where the target's template cannot render tool calls, a conversation that uses
+    them is left as it is (tokenize leaves it out and counts it)."""
 
     def __init__(self, row: dict):
         self.row = row
         self.turns = [dict(t) for t in row["conversations"]]
-        self.todo = [i for i, t in enumerate(self.turns) if t["role"] == "assistant"]
+        self.todo = [
+            i
+            for i, t in enumerate(self.turns)
+            if t["role"] == "assistant" and not tools.has_calls(t)
+        ]
+        self.uses_tools = tools.uses_tools(self.turns)
         self.truncated: list[int] = []
         self.turn_ids: list[list[int]] = []
         self.dropped_turns = 0
@@ -158,6 +175,9 @@ class Conversation:
     def prompt(self, tokenizer, max_prompt: int, template=None) -> list[int] | None:
         """The next turn's prompt, or None (and the conversation ends here, see `end_here`)
         when it fills `max_prompt` tokens."""
+        if self.uses_tools and _drops_calls(tokenizer):
+            self.todo = []
+            return None
         prompt = _prompt_ids(tokenizer, self.turns[: self.todo[0]], max_prompt, template)
         if len(prompt) < max_prompt:
             return prompt

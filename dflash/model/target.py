@@ -14,48 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.errors import UserError
 from dflash.model.decoder import head_dim, layer_output, supports_static
 from dflash.model.layer_ids import default_layer_ids  # noqa: F401 (re-exported)
+from dflash.model.mask_token import check_mask_token, resolve_mask_token  # noqa: F401 (re-exported)
 from dflash.model.memory import require_target_fits
-
-
-def check_mask_token(tokenizer, vocab_size: int, configured: int | None, where: str) -> int:
-    """The drafter's MASK token: `target.mask_token_id`, else the tokenizer's own mask token,
-    checked against the vocabulary. A target with neither (Qwen3 and Llama 3 have none) fails
-    here, with the special tokens listed. `tokenizer` is called only then (a benchmark's random
-    target has none), so a configured id costs only the config."""
-    mask = configured
-    if mask is None:
-        tokenizer = tokenizer()
-        mask = tokenizer.mask_token_id
-        if mask is None:
-            raise UserError(
-                f"target {where} has no mask token: set target.mask_token_id to a special "
-                "token id the chat template never emits; special tokens: "
-                + ", ".join(
-                    f"{i} {tokenizer.convert_ids_to_tokens(i)!r}"
-                    for i in sorted(tokenizer.all_special_ids)
-                )
-            )
-    if not 0 <= mask < vocab_size:
-        raise UserError(
-            f"target.mask_token_id={mask} is outside the vocabulary of target {where}"
-            f" (0..{vocab_size - 1}): set it to an unused special token id"
-        )
-    return mask
-
-
-def resolve_mask_token(model_dir: str | Path, configured: int | None) -> int:
-    """`check_mask_token` for an HF directory, before any expensive stage."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    if not Path(model_dir).is_dir():
-        raise UserError(f"target {model_dir}: no such directory")
-    vocab = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
-    return check_mask_token(
-        lambda: AutoTokenizer.from_pretrained(model_dir), vocab, configured, str(model_dir)
-    )
 
 
 def _decoder(model: nn.Module) -> nn.Module:

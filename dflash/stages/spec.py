@@ -35,6 +35,8 @@ INERT = (
     "results",
     "resources",
     "gpu_jobs",
+    "gpu_memory_gb",  # how `auto` batch sizes are found; the sizes found are triggers
+    "overwrite_results",  # one command's leave to plan over another config's run
     "cache_dir",
     "compile.cache_dir",
     "data.num_proc",

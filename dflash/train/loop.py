@@ -116,6 +116,12 @@ def _run(ctx: comm.Dist, args, imported_s: float | None) -> dict | str:
     """Rank 0 returns what its stage manifest records beyond the arguments; the others, that
     rank 0 records the run."""
     config = args.config
+    data, d = config["data"], config["drafter"]
+    log.info(
+        "batches: data.token_budget %s, data.max_batch_size %s, drafter.max_anchors %s%s",
+        data["token_budget"], data["max_batch_size"], d["max_anchors"],
+        f" ({os.environ['DFLASH_AUTO_MEMORY']})" if os.environ.get("DFLASH_AUTO_MEMORY") else "",
+    )  # fmt: skip
     batches = Batches(config, args.data)
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     if ctx.role[0] == "target":

@@ -20,14 +20,19 @@ from dflash.custody import rel as custody_rel
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
 from dflash.io import sha256_json
-from dflash import locks
+from dflash import auto_memory, locks, run_owner
 from dflash import stages
+from dflash.errors import UserError
 from dflash.manifest import code_files, environment_hash
 from dflash.model.start import init_identity, init_path
 
 
 onstart:
     locks.record_run()
+    # what this run is of (dflash/run_owner.py) and the batch sizes `auto` chose, for its next
+    # starts: a real run only, never a dry run
+    run_owner.record(config, CONFIGFILES, Path(R))
+    auto_memory.keep(AUTO_MEMORY, Path(R, "work", "auto-memory.json"))
 
 
 onsuccess:
@@ -67,16 +72,6 @@ def content_hash(path):
     digest = HASHES.sha256(expand_user(path))
     HASHES.save()
     return digest
-
-
-# Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
-# (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
-# jobs' PATH, which srun passes on to every node (dflash.preflight checked that its `python` is
-# this Python). Not a param: where the environment lives is no reason to rerun, what it holds is
-# (ENV_HASH).
-shell.prefix(
-    f'set -euo pipefail; export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; '
-)
 
 
 def passed(value):
@@ -163,6 +158,35 @@ TARGET_KEY = target_key()
 TARGET_DIR = f"{RES}/target/{TARGET_KEY}"
 # The target as an HF directory: the user's local path, or the target rule's output.
 TARGET = config["target"]["path"] or f"{TARGET_DIR}/hf"
+# The target as a serving engine is given it (results/summary.md's command lines).
+SERVE_TARGET = config["target"]["path"] or config["target"]["hub_id"] or TARGET
+# `auto` batch sizes (data.token_budget, data.max_batch_size, drafter.max_anchors) resolved to
+# numbers before any rule reads them, from the training GPU's free memory and the target's shapes
+# (dflash/auto_memory.py); the dry run shows them, and training logs them (DFLASH_AUTO_MEMORY).
+try:
+    AUTO_MEMORY = auto_memory.resolve(
+        config, HAS_GPU, f"{TARGET_DIR}/hf", Path(R, "work", "auto-memory.json")
+    )
+except UserError as e:
+    raise WorkflowError(str(e)) from None
+if AUTO_MEMORY.note and workflow.is_main_process:
+    logger.info(f"dflash: {AUTO_MEMORY.note}")
+# Jobs run `python -m dflash` of the environment running Snakemake, as if it were activated
+# (`.venv/bin/snakemake` needs no `source .venv/bin/activate`): its bin folder comes first on the
+# jobs' PATH, which srun passes on to every node (dflash.preflight checked that its `python` is
+# this Python); and they are told what `auto` chose, for their logs. Not params: where the
+# environment lives and why a size was chosen are no reason to rerun; what the environment holds
+# (ENV_HASH) and the sizes themselves are.
+shell.prefix(
+    f'set -euo pipefail; export PATH={shlex.quote(os.path.dirname(sys.executable))}:"$PATH"; '
+    + (
+        f"export DFLASH_AUTO_MEMORY={shlex.quote(AUTO_MEMORY.note)}; "
+        if AUTO_MEMORY.note
+        else ""
+    )
+)
+# The config files as given (the embedded default: none), recorded with the run.
+CONFIGFILES = [os.path.relpath(f) for f in workflow.overwrite_configfiles or ()]
 # The target rule's folder, for the aggregate rules only, so that a deleted one is rebuilt.
 TARGET_FOLDER = [] if config["target"]["path"] else [TARGET]
 # The trained drafter, declared as files: its config, weights and modeling file (auto_map).

@@ -135,6 +135,7 @@ rule report:
         ddtree=f"{R}/eval/ddtree.json",
         vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
         sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
+        tokenized=f"{R}/data/tokenized/train.report.json",
     output:
         summary=report(f"{R}/summary.md", category="Summary"),
         plots=[report(f"{R}/report/{name}.png", category="Plots") for name in PLOTS],
@@ -148,8 +149,13 @@ rule report:
         sampling=lambda wildcards, input: (
             f" --sampling {input.sampling[0]}" if input.sampling else ""
         ),
+        # the summary names the drafter and the target to serve it with
+        drafter=DRAFTER,
+        serve_target=SERVE_TARGET,
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree}{params.vllm}{params.sampling} --summary {output.summary}"
-        " --plots {params.plots} --manifest {output.manifest} > {log} 2>&1"
+        " --ddtree {input.ddtree}{params.vllm}{params.sampling} --tokenized {input.tokenized}"
+        " --drafter {params.drafter:q} --serve-target {params.serve_target:q}"
+        " --summary {output.summary} --plots {params.plots}"
+        " --manifest {output.manifest} > {log} 2>&1"
