@@ -145,12 +145,14 @@ def test_verify_reports_missing_and_unrecorded_files_and_the_workflow_target_fai
         moved.rename(drafter)
     assert run_a.run("verify").returncode == 0
     # a file edited by hand (newer than the record): the target checks, it does not re-record
+    # (the planning moves the edited file aside, dflash.custody: verify finds it missing)
     summary = run_a.results / "summary.md"
     original = summary.read_bytes()
     try:
         summary.write_bytes(original + b"edited by hand\n")
         flow = run_a.run("verify", check=False)
-        assert flow.returncode != 0 and "1 changed" in flow.stdout + flow.stderr
+        said = flow.stdout + flow.stderr
+        assert flow.returncode != 0 and "results/summary.md" in said and "1 missing" in said
     finally:
         summary.write_bytes(original)
 
@@ -311,7 +313,9 @@ def edited_module(flow: Workflow, rel: str, config: str = "tiny.yaml") -> set[st
         module.write_text(original)
 
 
-DOWNSTREAM_OF_TRAINING = {"train", "eval_acceptance", "eval_ddtree", "report", "record"}
+DOWNSTREAM_OF_TRAINING = {
+    "train", "eval_acceptance", "eval_ddtree", "eval_sampling", "report", "record"
+}  # fmt: skip
 
 
 def test_moving_the_checkout_reruns_nothing(run_a, tmp_path):
@@ -346,7 +350,7 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
     weights = flow.results / "drafter/model.safetensors"
     original = weights.read_bytes()
     weights.write_bytes(original + b" ")
-    assert planned(flow) == {"train"} | {"eval_acceptance", "eval_ddtree", "report", "record"}
+    assert planned(flow) == DOWNSTREAM_OF_TRAINING
     weights.write_bytes(original)
     assert planned(flow) == set()
 
@@ -362,6 +366,7 @@ def test_stale_only_reruns_from_snakemakes_own_dry_run(run_a):
     assert edited_module(flow, "dflash/eval/metrics.py") == {
         "eval_acceptance",
         "eval_ddtree",
+        "eval_sampling",
         "report",
         "record",
     }

@@ -46,7 +46,8 @@ def regenerate(target, rows, out, workdir, engine="hf", temperature=0.0, **popen
 
 @pytest.mark.parametrize(
     "engine, part, temperature",
-    [("hf", "batch", 0.0), ("static", "done", 0.0), ("static", "done", 0.8)],
+    # the static engine resumes alike at any temperature: its greedy run is the 0.8 one less draws
+    [("hf", "batch", 0.0), ("static", "done", 0.8)],
 )
 def test_killed_run_resumes_without_loss_or_duplication(
     tiny_workflow, target_dir, tmp_path, engine, part, temperature

@@ -276,14 +276,14 @@ def test_param_changes_rerun_only_what_depends_on_them(tiny_workflow):
     flow = tiny_workflow
     name = edited_config(flow, "len.yaml", max_length=80)
     # regeneration reads it too: a turn whose prompt fills max_length is not generated
-    assert set(flow.planned_jobs("stats", config=name)) == FROM_REGENERATION
+    assert set(flow.planned_jobs("stats", *OVER, config=name)) == FROM_REGENERATION
     name = edited_config(flow, "bucket.yaml", token_budget=512)
-    assert set(flow.planned_jobs("stats", config=name)) == {"length_stats", "stats"}
+    assert set(flow.planned_jobs("stats", *OVER, config=name)) == {"length_stats", "stats"}
     name = edited_config(flow, "noregen.yaml", regenerate__enabled=False)
     # tokenize then reads the expanded rows directly; no regeneration job is planned
-    assert set(flow.planned_jobs("stats", config=name)) == {"tokenize", "length_stats", "stats"}
+    assert set(flow.planned_jobs("stats", *OVER, config=name)) == {"tokenize", "length_stats", "stats"}
     name = edited_config(flow, "regen.yaml", regenerate__max_new_tokens=8)
-    assert set(flow.planned_jobs("stats", config=name)) == FROM_REGENERATION
+    assert set(flow.planned_jobs("stats", *OVER, config=name)) == FROM_REGENERATION
 
 
 def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
