@@ -281,7 +281,11 @@ def test_param_changes_rerun_only_what_depends_on_them(tiny_workflow):
     assert set(flow.planned_jobs("stats", *OVER, config=name)) == {"length_stats", "stats"}
     name = edited_config(flow, "noregen.yaml", regenerate__enabled=False)
     # tokenize then reads the expanded rows directly; no regeneration job is planned
-    assert set(flow.planned_jobs("stats", *OVER, config=name)) == {"tokenize", "length_stats", "stats"}
+    assert set(flow.planned_jobs("stats", *OVER, config=name)) == {
+        "tokenize",
+        "length_stats",
+        "stats",
+    }
     name = edited_config(flow, "regen.yaml", regenerate__max_new_tokens=8)
     assert set(flow.planned_jobs("stats", *OVER, config=name)) == FROM_REGENERATION
 
