@@ -543,6 +543,21 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert "**Eval prompts in the training data:**" in summary
     assert "s after the process started" in summary
     assert {p.name for p in (flow.results / "report").glob("*.png")} == {f"{n}.png" for n in PLOTS}
+    # tiny.yaml evaluates at temperature 1 too: every method, both draft rules, two seeds
+    sampled = json.loads((flow.results / "eval/sampling.json").read_text())
+    (run,) = sampled["runs"]
+    assert run["label"] == "T=1" and {"drafter", "drafter/probabilistic", "lookup"} <= set(
+        run["methods"]
+    )
+    seeds = run["methods"]["drafter"]["seeds"]["tau_macro"]
+    assert len(seeds) == 2 and all(1.0 <= t <= 8 for t in seeds)
+    assert run["methods"]["drafter"]["overall"]["greedy_macro"] >= 1.0
+    assert "**At temperature**" in summary and "tau_sim at T=1" in summary
+    quality = json.loads((flow.results / "MANIFEST.json").read_text())["eval"]["quality"]
+    assert (
+        quality["sampled_tau_macro"]["T=1"]["drafter"]
+        == (run["methods"]["drafter"]["overall"]["tau_macro"])
+    )
 
     changed = yaml.safe_load((flow.workdir / "tiny.yaml").read_text())
     changed["eval"]["max_new_tokens"] = 6
