@@ -40,13 +40,25 @@ def _imports(source: str, filename: str) -> tuple[str, ...]:
     """Module names a source imports (function-level imports included). Cached by content:
     the workflow hashes a dozen stages' code at every Snakemake start, mostly the same files."""
     names = []
-    for node in ast.walk(ast.parse(source, filename)):
+    for node in _statements(ast.parse(source, filename).body):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from dflash.x import y`: y may be a submodule or a name in x
             names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
     return tuple(names)
+
+
+def _statements(body: list[ast.stmt]):
+    """Every statement under `body`, nested ones included (function bodies, branches, handlers,
+    match cases), without visiting expressions: an import is always a statement, and skipping
+    the expressions makes this ten times faster than `ast.walk` at every Snakemake start."""
+    todo = list(body)
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            todo += getattr(node, field, None) or []
 
 
 def imported_files(*modules: str) -> list[Path]:
