@@ -21,8 +21,10 @@ from dflash.io import sha256_file, sha256_json, sha256_tree, write_json
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
 
+@functools.cache
 def _module_file(name: str) -> Path | None:
-    """The source file of a `dflash` module name, or None if it is not one."""
+    """The source file of a `dflash` module name, or None if it is not one (cached: the
+    workflow resolves the same names for a dozen stages at every Snakemake start)."""
     top, *rest = name.split(".")
     if top != "dflash":
         return None

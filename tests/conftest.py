@@ -19,6 +19,24 @@ TESTS = Path(__file__).resolve().parent
 # (refused otherwise: dflash/run_owner.py)
 OVER = ("--config", "overwrite_results=true")
 
+# pytest-xdist (pyproject's addopts: two workers, one a core): a worker's Snakemake runs take one
+# core and its torch one thread, so the two never oversubscribe the machine (OpenMP threads spin
+# when they do). Each test file is one group, its module fixtures built once; the files that read
+# the tiny run's whole `all` (and the second run from scratch) share a worker, so those runs are
+# made once.
+XDIST = "PYTEST_XDIST_WORKER" in os.environ
+CORES = "1" if XDIST else "2"
+if XDIST:
+    os.environ["OMP_NUM_THREADS"] = "1"
+READ_THE_WHOLE_RUN = {"test_custody", "test_record", "test_vllm_stage", "test_workflow"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.module.__name__
+        group = "the-whole-tiny-run" if name in READ_THE_WHOLE_RUN else name
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 def copy_repo(dest: Path) -> Path:
     """A private copy of the package and workflow, so tests may edit modules safely."""
@@ -35,7 +53,9 @@ class Workflow:
         # The copy's package shadows the installed (editable) one for Snakemake and every rule.
         return {**os.environ, "PYTHONPATH": str(self.repo)}
 
-    def run(self, *args: str, config: str | None = "tiny.yaml", check: bool = True):
+    def run(
+        self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores=CORES
+    ):
         # --configfile takes several values, so it goes last, after the targets (None: no
         # --configfile, the embedded default)
         cmd = [
@@ -45,7 +65,7 @@ class Workflow:
             "--snakefile",
             str(self.repo / "workflow" / "Snakefile"),
             "--cores",
-            "2",
+            str(cores),
             *args,
             *(["--configfile", config] if config else []),
         ]

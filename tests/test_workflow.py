@@ -468,7 +468,9 @@ def test_the_slurm_train_job_asks_one_task_per_node_with_its_gpus_and_cores(tmp_
     shutil.copy(TESTS / "data/local.jsonl", tmp_path)  # the workflow hashes local sources
     profile = REPO / "workflow" / "profiles" / "slurm"
     flow = Workflow(REPO, tmp_path)
-    out = flow.run("-n", "-p", "train", "--workflow-profile", str(profile), config="nodes.yaml")
+    out = flow.run(
+        "-n", "-p", "train", "--workflow-profile", str(profile), config="nodes.yaml", cores=2
+    )
     resources = planned_resources(out.stdout)["train"]
     line = sbatch_line(resources, threads=2)
     options = dict(o.split("=", 1) if "=" in o else (o, "") for o in line if o.startswith("--"))
