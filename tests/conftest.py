@@ -53,9 +53,7 @@ class Workflow:
         # The copy's package shadows the installed (editable) one for Snakemake and every rule.
         return {**os.environ, "PYTHONPATH": str(self.repo)}
 
-    def run(
-        self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores=CORES
-    ):
+    def run(self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores=CORES):
         # --configfile takes several values, so it goes last, after the targets (None: no
         # --configfile, the embedded default)
         cmd = [
