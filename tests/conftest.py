@@ -31,11 +31,22 @@ if XDIST:
 READ_THE_WHOLE_RUN = {"test_custody", "test_record", "test_vllm_stage", "test_workflow"}
 
 
+# the longest groups first (seconds in one process, 2026-12-06), so that neither worker is left
+# with a long one at the end while the other idles
+LONGEST_FIRST = ["the-whole-tiny-run", "test_distributed", "test_regenerate", "test_own_model",
+                 "test_rehearsal", "test_sharded_target", "test_warmup", "test_reference_client"]  # fmt: skip
+
+
+def group_of(item) -> str:
+    name = item.module.__name__
+    return "the-whole-tiny-run" if name in READ_THE_WHOLE_RUN else name
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
-        name = item.module.__name__
-        group = "the-whole-tiny-run" if name in READ_THE_WHOLE_RUN else name
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(group_of(item)))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item), len(rank)))  # stable: file order else
 
 
 def copy_repo(dest: Path) -> Path:
