@@ -4,11 +4,13 @@ run from scratch for the tests that compare two runs."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,20 @@ LONGEST_FIRST = ["the-whole-tiny-run", "test_distributed", "test_regenerate", "t
 def group_of(item) -> str:
     name = item.module.__name__
     return "the-whole-tiny-run" if name in READ_THE_WHOLE_RUN else name
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist a test marked `quiet_host` (it measures what other processes cost it) runs
+    alone: it holds a lock the other worker's tests share, fixtures' setup included."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    mode = fcntl.LOCK_EX if item.get_closest_marker("quiet_host") else fcntl.LOCK_SH
+    with open(Path(tempfile.gettempdir()) / f"dflash-tests-{run}.lock", "a") as lock:
+        fcntl.flock(lock, mode)
+        yield
 
 
 def pytest_collection_modifyitems(items):
