@@ -27,21 +27,22 @@ OVER = ("--config", "overwrite_results=true")
 # the tiny run's whole `all` (and the second run from scratch) share a worker, so those runs are
 # made once.
 XDIST = "PYTEST_XDIST_WORKER" in os.environ
-CORES = "1" if XDIST else "2"
+CORES = 1 if XDIST else 2
 if XDIST:
     os.environ["OMP_NUM_THREADS"] = "1"
 READ_THE_WHOLE_RUN = {"test_custody", "test_record", "test_vllm_stage", "test_workflow"}
+WHOLE_RUN_GROUP = "the-whole-tiny-run"
 
 
 # the longest groups first (seconds in one process, 2026-12-06), so that neither worker is left
 # with a long one at the end while the other idles
-LONGEST_FIRST = ["the-whole-tiny-run", "test_distributed", "test_regenerate", "test_own_model",
+LONGEST_FIRST = [WHOLE_RUN_GROUP, "test_distributed", "test_regenerate", "test_own_model",
                  "test_rehearsal", "test_sharded_target", "test_warmup", "test_reference_client"]  # fmt: skip
 
 
 def group_of(item) -> str:
     name = item.module.__name__
-    return "the-whole-tiny-run" if name in READ_THE_WHOLE_RUN else name
+    return WHOLE_RUN_GROUP if name in READ_THE_WHOLE_RUN else name
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -80,7 +81,9 @@ class Workflow:
         # The copy's package shadows the installed (editable) one for Snakemake and every rule.
         return {**os.environ, "PYTHONPATH": str(self.repo)}
 
-    def run(self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores=CORES):
+    def run(
+        self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores: int = CORES
+    ):
         # --configfile takes several values, so it goes last, after the targets (None: no
         # --configfile, the embedded default)
         cmd = [

@@ -382,14 +382,13 @@ def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target
     """The same colocated run with other processes busy on every CPU: same weights, lower
     throughput, and compare blames the host, from what the training itself sampled. The quiet
     run is made here, alone on the machine (`quiet_host`), not taken from the module's runs."""
-    quiet = tmp_path / "quiet"
+    quiet, busy = tmp_path / "quiet", tmp_path / "busy"
     quiet.mkdir()
+    busy.mkdir()
     finish(launch(config(0, 1), data, target_dir, quiet, torchrun=False))
-    tmp_path = tmp_path / "busy"
-    tmp_path.mkdir()
-    run = launch(config(0, 1), data, target_dir, tmp_path, torchrun=False)
+    run = launch(config(0, 1), data, target_dir, busy, torchrun=False)
     deadline = time.time() + 300
-    while not list(tmp_path.glob("ckpt/run-*")):  # imports and loading done: training begins
+    while not list(busy.glob("ckpt/run-*")):  # imports and loading done: training begins
         assert run.poll() is None and time.time() < deadline, run.stderr.read()[-3000:]
         time.sleep(0.05)
     # Each burner in its own session, as another user's job would be: the kernel shares CPUs
@@ -405,8 +404,8 @@ def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target
         for burner in burners:
             burner.kill()
             burner.wait()
-    assert weights(tmp_path) == weights(quiet) == weights(runs[(0, 1)])
-    quiet, busy = (train_record(out) for out in (quiet, tmp_path))
+    assert weights(busy) == weights(quiet) == weights(runs[(0, 1)])
+    quiet, busy = (train_record(out) for out in (quiet, busy))
     (verdict,) = compare(quiet, busy)["most_likely"]
     assert verdict["effect"] == "throughput" and verdict["change_pct"] < -5, verdict
     assert verdict["cause"] == "host", verdict
