@@ -59,11 +59,23 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the node ids
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(group_of(item)))
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item), len(rank)))  # stable: file order else
+
+
+def pytest_collection_finish(session):
+    """The groups reach xdist's scheduler only through the node ids; a pytest that keeps them
+    elsewhere (9.2 with xdist 3.8) spreads every file over both workers, silently."""
+    if XDIST and session.items and "@" not in session.items[0].nodeid:
+        message = (
+            "pytest-xdist did not read the test groups (tests/conftest.py) under pytest "
+            f"{pytest.__version__}: pyproject's test extras pin a pair that works"
+        )
+        raise AssertionError(message)
 
 
 def copy_repo(dest: Path) -> Path:
