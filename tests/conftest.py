@@ -4,6 +4,7 @@ run from scratch for the tests that compare two runs."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -34,10 +35,12 @@ READ_THE_WHOLE_RUN = {"test_custody", "test_record", "test_vllm_stage", "test_wo
 WHOLE_RUN_GROUP = "the-whole-tiny-run"
 
 
-# the longest groups first (seconds in one process, 2026-12-06), so that neither worker is left
-# with a long one at the end while the other idles
-LONGEST_FIRST = [WHOLE_RUN_GROUP, "test_distributed", "test_regenerate", "test_own_model",
-                 "test_rehearsal", "test_sharded_target", "test_warmup", "test_reference_client"]  # fmt: skip
+# the longest groups first (seconds of a worker in CI, 2026-12-06), so that neither worker is left
+# with a long one at the end while the other idles: xdist hands them out in this order
+# (pyproject's addopts turn off its own ordering, by test count)
+LONGEST_FIRST = [WHOLE_RUN_GROUP, "test_distributed", "test_regenerate", "test_rehearsal",
+                 "test_own_model", "test_drafter", "test_sharded_target", "test_warmup",
+                 "test_reference_client"]  # fmt: skip
 
 
 def group_of(item) -> str:
@@ -45,17 +48,35 @@ def group_of(item) -> str:
     return WHOLE_RUN_GROUP if name in READ_THE_WHOLE_RUN else name
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Under xdist a test marked `quiet_host` (it measures what other processes cost it) runs
-    alone: it holds a lock the other worker's tests share, fixtures' setup included."""
+def lock_path() -> Path | None:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
+    return Path(tempfile.gettempdir()) / f"dflash-tests-{run}.lock" if run else None
+
+
+@contextlib.contextmanager
+def alone_on_this_host():
+    """While held, no test of the other xdist worker runs: for the part of a test (marked
+    `quiet_host`) that measures what other processes cost it."""
+    path = lock_path()
+    if path is None:
         yield
         return
-    mode = fcntl.LOCK_EX if item.get_closest_marker("quiet_host") else fcntl.LOCK_SH
-    with open(Path(tempfile.gettempdir()) / f"dflash-tests-{run}.lock", "a") as lock:
-        fcntl.flock(lock, mode)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist every test holds a lock shared with the other worker's tests, fixtures'
+    setup included, but for one marked `quiet_host`: it takes the lock alone where it measures
+    (`alone_on_this_host`), and only there."""
+    path = lock_path()
+    if path is None or item.get_closest_marker("quiet_host"):
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
         yield
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from conftest import alone_on_this_host
 
 from dflash.compare import compare
 from dflash.data.batching import bucket_bounds, plan_epoch
@@ -381,11 +382,13 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
 def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target_dir, tmp_path):
     """The same colocated run with other processes busy on every CPU: same weights, lower
     throughput, and compare blames the host, from what the training itself sampled. The quiet
-    run is made here, alone on the machine (`quiet_host`), not taken from the module's runs."""
+    run is made here, alone on the machine, not taken from the module's runs; the busy run goes
+    beside the other xdist worker's tests, as beside another user's jobs."""
     quiet, busy = tmp_path / "quiet", tmp_path / "busy"
     quiet.mkdir()
     busy.mkdir()
-    finish(launch(config(0, 1), data, target_dir, quiet, torchrun=False))
+    with alone_on_this_host():
+        finish(launch(config(0, 1), data, target_dir, quiet, torchrun=False))
     run = launch(config(0, 1), data, target_dir, busy, torchrun=False)
     deadline = time.time() + 300
     while not list(busy.glob("ckpt/run-*")):  # imports and loading done: training begins
