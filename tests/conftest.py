@@ -57,8 +57,9 @@ def lock_path(name: str = "lock") -> Path | None:
 def alone_on_this_host():
     """While held, no test of the other xdist worker runs: for the part of a test (marked
     `quiet_host`) that measures what other processes cost it. It closes the gate first, so that
-    the other worker starts no new test while this one waits for the current one to end
-    (flock alone lets a stream of shared holders starve it: 3 minutes in CI)."""
+    the other worker starts no new test while this one waits for the current one to end (flock
+    alone lets a stream of shared holders starve it); that one test, fixtures' setup included,
+    may still be long (the second full run: minutes)."""
     if lock_path() is None:
         yield
         return

@@ -408,8 +408,7 @@ def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target
             burner.kill()
             burner.wait()
     assert weights(busy) == weights(quiet) == weights(runs[(0, 1)])
-    quiet, busy = (train_record(out) for out in (quiet, busy))
-    (verdict,) = compare(quiet, busy)["most_likely"]
+    (verdict,) = compare(train_record(quiet), train_record(busy))["most_likely"]
     assert verdict["effect"] == "throughput" and verdict["change_pct"] < -5, verdict
     assert verdict["cause"] == "host", verdict
     assert verdict["summary"].startswith("CPU time used by other processes"), verdict
