@@ -11,6 +11,7 @@ name (`vllm_macro`, `sglang_macro`, ...), so each engine's JSON reads on its own
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -103,7 +104,9 @@ def compare(
         sets[name] = entry
     alone = {r["id"]: r["tokens"] for r in target_alone["prompts"]}
     drafts = sum(r["drafts"] for r in rows)
-    positions = [sum(col) for col in zip(*(r["per_position"] for r in rows), strict=False)]
+    # per prompt as long as the engine counted (SGLang's histogram grows with the most accepted)
+    columns = itertools.zip_longest(*(r["per_position"] for r in rows), fillvalue=0)
+    positions = [sum(col) for col in columns]
     speed = {"1": _speed(rows, target_alone["prompts"])}
     for c, fig in served["concurrency"].items():
         base = target_alone["concurrency"][c]["tokens_per_s"]
@@ -249,3 +252,20 @@ def serve_in_process(module: str, request: dict, folder: Path, name: str, env=No
             "is in this stage's log above"
         )
     return json.loads(output_path.read_text())
+
+
+def log_result(record: dict, engine: str, label: str) -> None:
+    """The stage's last log line: the engine's acceptance length beside ours, and its speedup."""
+    a = record["acceptance_length"]
+    log.info("%s %s: acceptance length %s macro (ours %s, %+.1f %%), %s pooled (ours %s); "
+             "batch 1 %sx the target alone", label, record[engine], a[f"{engine}_macro"],
+             a["ours_macro"], a["diff_pct_macro"] or 0.0, a[f"{engine}_pooled"], a["ours_pooled"],
+             record["tokens_per_s"]["1"]["speedup"])  # fmt: skip
+
+
+def engine_main(serve, argv: list[str] | None = None) -> None:
+    """An engine process's entry (`python -m dflash.eval.X_serve REQUEST OUTPUT`): the request
+    (JSON) in, `serve(request)`'s answer (JSON) out."""
+    request_path, output_path = argv or sys.argv[1:]
+    result = serve(json.loads(Path(request_path).read_text()))
+    Path(output_path).write_text(json.dumps(result))

@@ -19,10 +19,9 @@ skips the batch-1 pass and the concurrency waves (an engine kept for its sampled
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
+
+from dflash.eval.served import engine_main
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -176,11 +175,5 @@ def _sampled_waves(llm, tokenizer, first_turns, spec: dict, request: dict, templ
     return {**{k: spec[k] for k in ("temperature", "top_p", "top_k")}, "seeds": per_seed}
 
 
-def main(argv: list[str] | None = None) -> None:
-    request_path, output_path = argv or sys.argv[1:]
-    result = serve(json.loads(Path(request_path).read_text()))
-    Path(output_path).write_text(json.dumps(result))
-
-
 if __name__ == "__main__":
-    main()
+    engine_main(serve)

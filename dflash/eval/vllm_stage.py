@@ -23,7 +23,13 @@ from pathlib import Path
 
 from dflash.errors import UserError
 from dflash.eval import served as shared
-from dflash.eval.served import acceptance_length, base_request, serve_in_process, walk_served
+from dflash.eval.served import (
+    acceptance_length,
+    base_request,
+    log_result,
+    serve_in_process,
+    walk_served,
+)
 from dflash.eval.served_report import summary_section as engine_section
 from dflash.io import read_json, write_json
 
@@ -90,11 +96,7 @@ def run(args) -> None:
         )
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
-    a = record["acceptance_length"]
-    log.info("vLLM %s: acceptance length %s macro (ours %s, %+.1f %%), %s pooled (ours %s); "
-             "batch 1 %sx the target alone", record["vllm"], a["vllm_macro"], a["ours_macro"],
-             a["diff_pct_macro"] or 0.0, a["vllm_pooled"], a["ours_pooled"],
-             record["tokens_per_s"]["1"]["speedup"])  # fmt: skip
+    log_result(record, ENGINE, "vLLM")
 
 
 def summary_section(record: dict) -> str:
