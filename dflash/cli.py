@@ -26,9 +26,9 @@ log = logging.getLogger("dflash")
 EPILOG = """\
 A run goes: target and expand (side by side), regenerate (one job per shard, then merge-shards),
 tokenize, stats, warmup (beside regeneration: it needs only the target's config), train, eval and
-ddtree (sample-eval with eval.sampling's temperatures; eval-vllm where vLLM is installed), report,
-record. verify and compare read finished runs. `dflash-train STAGE --help` lists a
-stage's arguments; docs/workflow.md has the rule behind each."""
+ddtree (sample-eval with eval.sampling's temperatures; eval-vllm and eval-sglang where vLLM and
+SGLang are installed), report, record. verify and compare read finished runs.
+`dflash-train STAGE --help` lists a stage's arguments; docs/workflow.md has the rule behind each."""
 
 
 def load(value: str) -> dict:

@@ -44,6 +44,7 @@ VOLATILE = (
     "artefacts.eval/ddtree.json",
     "artefacts.eval/vllm.json",
     "artefacts.eval/sampling.json",
+    "artefacts.eval/sglang.json",
     "artefacts.summary.md",
     "artefacts.report/throughput.png",
     "artefacts.report/ddtree.png",
@@ -54,11 +55,15 @@ VOLATILE = (
     "artefacts.manifests/eval_ddtree.json",
     "artefacts.manifests/eval_vllm.json",
     "artefacts.manifests/eval_sampling.json",
+    "artefacts.manifests/eval_sglang.json",
     "artefacts.manifests/report.json",
 )
 
 # Working state under results/ that no rule declares as an output: never recorded or verified.
 UNDECLARED = ("logs", "checkpoints", "work", "compile-cache", "MANIFEST.json")
+
+# The serving engines whose eval/ENGINE.json (eval_vllm, eval_sglang) the record summarises.
+SERVED = ("vllm", "sglang")
 
 
 # What every record holds and `verify` and `compare` read: anything without them is not a record.
@@ -212,7 +217,11 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
 
 
 def eval_summary(
-    acceptance: dict, ddtree: dict, vllm: dict | None = None, sampling: dict | None = None
+    acceptance: dict,
+    ddtree: dict,
+    vllm: dict | None = None,
+    sampling: dict | None = None,
+    sglang: dict | None = None,
 ) -> dict:
     methods = {"drafter": acceptance, **acceptance["baselines"]}
     trees = {f"{r['budget']}{'+lookup' if r.get('lookup') else ''}": r for r in ddtree["results"]}
@@ -240,11 +249,12 @@ def eval_summary(
             run["label"]: {m: r["overall"]["tau_macro"] for m, r in run["methods"].items()}
             for run in sampling["runs"]
         }
-    if vllm:  # eval_vllm ran: the serving engine's acceptance length and speedups
-        summary["quality"]["vllm"] = {"version": vllm["vllm"], **vllm["acceptance_length"]}
-        summary["speed"]["vllm_speedup"] = {
-            c: s["speedup"] for c, s in vllm["tokens_per_s"].items()
-        }
+    for engine, served in (("vllm", vllm), ("sglang", sglang)):
+        if served:  # eval_vllm or eval_sglang ran: the engine's acceptance length and speedups
+            summary["quality"][engine] = {"version": served[engine], **served["acceptance_length"]}
+            summary["speed"][f"{engine}_speedup"] = {
+                c: s["speedup"] for c, s in served["tokens_per_s"].items()
+            }
     return summary
 
 
@@ -258,10 +268,12 @@ def topology_summary(train: dict) -> dict:
     }
 
 
-def result_summaries(results: Path, vllm: bool = True, sampling: bool = True) -> dict:
-    """The data, train and eval sections of a record, for the outputs the folder holds
-    (`vllm`/`sampling` False: not eval/vllm.json or eval/sampling.json, left by an earlier
-    config, where this run has no eval_vllm or eval_sampling)."""
+def result_summaries(
+    results: Path, engines: tuple[str, ...] = SERVED, sampling: bool = True
+) -> dict:
+    """The data, train and eval sections of a record, for the outputs the folder holds (of the
+    serving engines' eval/ENGINE.json, those of `engines` alone, and eval/sampling.json where
+    `sampling`: not one left by an earlier config, where this run has no such stage)."""
     sections = {}
     if (stats := results / "data/stats/stats.json").exists():
         sections["data"] = data_summary(read_json(stats))
@@ -270,12 +282,13 @@ def result_summaries(results: Path, vllm: bool = True, sampling: bool = True) ->
         sections["train"] = train_summary(read_json(summary), [json.loads(x) for x in lines])
     acceptance, ddtree = results / "eval/acceptance.json", results / "eval/ddtree.json"
     if acceptance.exists() and ddtree.exists():
-        served, sampled = results / "eval/vllm.json", results / "eval/sampling.json"
+        served = {e: results / f"eval/{e}.json" for e in engines}
+        sampled = results / "eval/sampling.json"
         sections["eval"] = eval_summary(
             read_json(acceptance),
             read_json(ddtree),
-            read_json(served) if vllm and served.exists() else None,
-            read_json(sampled) if sampling and sampled.exists() else None,
+            sampling=read_json(sampled) if sampling and sampled.exists() else None,
+            **{e: read_json(path) for e, path in served.items() if path.exists()},
         )
     return sections
 
@@ -340,6 +353,8 @@ def build_record(
     inputs: dict[str, Path] | None = None,
 ):
     results, inputs = Path(results), inputs or {}
+    made = set(map(Path, outputs))  # of the engines' records, only those this run declares
+    engines = tuple(e for e in SERVED if results / f"eval/{e}.json" in made)
     files = source_files(workflow_dir)
     record = {
         "format": FORMAT,
@@ -351,11 +366,7 @@ def build_record(
         "config_sha256": sha256_json(config),
         "config": config,
         "topology": topology_summary(config["train"]),
-        **result_summaries(
-            results,
-            vllm=results / "eval/vllm.json" in map(Path, outputs),
-            sampling=results / "eval/sampling.json" in map(Path, outputs),
-        ),
+        **result_summaries(results, engines, sampling=results / "eval/sampling.json" in made),
     }
     # what the run read, made once under resources/ for every run that names it
     record["inputs"] = {name: input_record(results, f) for name, f in sorted(inputs.items())}

@@ -25,6 +25,7 @@ RUN_ORDER = [
     "ddtree",
     "sample-eval",
     "eval-vllm",
+    "eval-sglang",
     "report",
     "record",
     "verify",

@@ -11,11 +11,11 @@ import json
 import statistics
 from pathlib import Path
 
+from dflash.eval import sglang_stage, vllm_stage
 from dflash.eval.clock import clock_caveats
 from dflash.eval.handover import handover
 from dflash.eval.overlap import overlap_text
 from dflash.eval.report_sampling import sampling_text, trained_on_text
-from dflash.eval.vllm_stage import summary_section
 from dflash.host import STARTUP_PHASES, describe_host
 from dflash.io import atomic_path, read_json
 
@@ -380,7 +380,8 @@ def run(args) -> None:
     for extra in (trained_on_text(train_summary), sampling_text(sampled, acceptance, metrics)):
         if extra:
             text += "\n" + extra + "\n"
-    if getattr(args, "vllm", None):
-        text += "\n" + summary_section(read_json(args.vllm))
+    for engine in (vllm_stage, sglang_stage):  # the serving engines' records, where they ran
+        if path := getattr(args, engine.ENGINE, None):
+            text += "\n" + engine.summary_section(read_json(path))
     with atomic_path(args.summary) as tmp:
         tmp.write_text(text)

@@ -218,7 +218,7 @@ TABLE = (
         ),
         rules=("eval_acceptance",),
         config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.ddtree", "eval.sampling"),
+        inert=("eval.vllm", "eval.sglang", "eval.ddtree", "eval.sampling"),
     ),
     Stage(
         "ddtree",
@@ -228,7 +228,14 @@ TABLE = (
         rules=("eval_ddtree",),
         config=EVAL_CONFIG,
         # the tree decodes with the trained drafter alone: no baselines, no teacher forcing
-        inert=("eval.vllm", "eval.baselines", "eval.with_lookup", "drafter", "eval.sampling"),
+        inert=(
+            "eval.vllm",
+            "eval.sglang",
+            "eval.baselines",
+            "eval.with_lookup",
+            "drafter",
+            "eval.sampling",
+        ),
     ),
     Stage(
         "sample-eval",
@@ -242,7 +249,7 @@ TABLE = (
         ),
         rules=("eval_sampling",),
         config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.tie_margin"),
+        inert=("eval.vllm", "eval.sglang", "eval.tie_margin"),
     ),
     Stage(
         "eval-vllm",
@@ -255,8 +262,22 @@ TABLE = (
         ),
         rules=("eval_vllm",),
         config=EVAL_CONFIG,
-        inert=("eval.ddtree", "eval.baselines", "eval.with_lookup"),
+        inert=("eval.sglang", "eval.ddtree", "eval.baselines", "eval.with_lookup"),
         code=("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
+    ),
+    Stage(
+        "eval-sglang",
+        "dflash.eval.sglang_stage:run",
+        "the drafter served by SGLang's DFLASH worker, beside eval",
+        decoding(
+            Arg("--acceptance", "eval's acceptance.json", IN),
+            Arg("--sampling", "sample-eval's sampling.json (at temperature)", IN, False),
+            Arg("--output", "sglang.json to write", OUT),
+        ),
+        rules=("eval_sglang",),
+        config=EVAL_CONFIG,
+        inert=("eval.vllm", "eval.ddtree", "eval.baselines", "eval.with_lookup"),
+        code=("dflash.eval.sglang_stage", "dflash.eval.sglang_serve"),
     ),
     Stage(
         "report",
@@ -269,6 +290,7 @@ TABLE = (
             Arg("--acceptance", "the evaluation's acceptance.json", IN),
             Arg("--ddtree", "the DDTree evaluation's ddtree.json", IN),
             Arg("--vllm", "eval_vllm's vllm.json, where that stage ran", IN, False),
+            Arg("--sglang", "eval_sglang's sglang.json, where that stage ran", IN, False),
             Arg("--sampling", "eval_sampling's sampling.json, where it ran", IN, False),
             Arg("--tokenized", "tokenize's report of the training split", IN, False),
             Arg("--drafter", "the trained drafter's folder, named in the summary", PARAM, False),

@@ -19,6 +19,7 @@ from dflash.record import read_record
 from dflash.custody import rel as custody_rel
 from dflash.filehash import HashCache
 from dflash.eval.report import PLOTS
+from dflash.eval.sglang_stage import sglang_installed
 from dflash.io import sha256_json
 from dflash import auto_memory, locks, run_owner
 from dflash import stages
@@ -301,6 +302,8 @@ def recorded_rules():
     names += ["eval_acceptance", "eval_ddtree", "report"]
     if WITH_VLLM:  # eval.smk, included before the record rule calls this
         names.append("eval_vllm")
+    if WITH_SGLANG:
+        names.append("eval_sglang")
     if WITH_SAMPLING:
         names.append("eval_sampling")
     if config["data"]["regenerate"]["enabled"]:

@@ -10,6 +10,12 @@ WITH_VLLM = config["eval"]["vllm"]["enabled"] is True or (
     and HAS_GPU
     and importlib.util.find_spec("vllm") is not None
 )
+# SGLang likewise, where its engine processes can import it (from eval.sglang.site where given)
+WITH_SGLANG = config["eval"]["sglang"]["enabled"] is True or (
+    config["eval"]["sglang"]["enabled"] == "auto"
+    and HAS_GPU
+    and sglang_installed(config["eval"]["sglang"]["site"])
+)
 
 
 rule eval_acceptance:
@@ -125,6 +131,38 @@ rule eval_vllm:
         " --manifest {output.manifest} > {log} 2>&1"
 
 
+rule eval_sglang:
+    """SGLang's DFLASH worker serving the run's target and drafter on the same prompts: its
+    acceptance length per prompt (from meta_info) and tokens/s, beside the target alone in SGLang
+    and our τ.
+    """
+    input:
+        **eval_inputs(),
+        acceptance=f"{R}/eval/acceptance.json",
+        sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
+    output:
+        sglang=report(f"{R}/eval/sglang.json", category="Evaluation"),
+        manifest=f"{R}/manifests/eval_sglang.json",
+    log:
+        f"{R}/logs/eval_sglang.log",
+    threads: workflow.cores
+    resources:
+        gpu=1 if HAS_GPU else 0,
+    params:
+        **triggers("eval_sglang", eval_files()),
+        config=stage_config("eval_sglang"),
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter[0]),
+        target=passed(TARGET),
+        sampling=lambda wildcards, input: (
+            f" --sampling {input.sampling[0]}" if input.sampling else ""
+        ),
+    shell:
+        "python -m dflash eval-sglang --config {params.config:q} --target {params.target}"
+        " --drafter {params.drafter} --held-out {input.held_out}"
+        " --acceptance {input.acceptance}{params.sampling} --output {output.sglang}"
+        " --manifest {output.manifest} > {log} 2>&1"
+
+
 rule report:
     """results/summary.md plus the plots of `snakemake --report`."""
     input:
@@ -134,6 +172,7 @@ rule report:
         acceptance=f"{R}/eval/acceptance.json",
         ddtree=f"{R}/eval/ddtree.json",
         vllm=[f"{R}/eval/vllm.json"] if WITH_VLLM else [],
+        sglang=[f"{R}/eval/sglang.json"] if WITH_SGLANG else [],
         sampling=[f"{R}/eval/sampling.json"] if WITH_SAMPLING else [],
         tokenized=f"{R}/data/tokenized/train.report.json",
     output:
@@ -146,6 +185,9 @@ rule report:
         **triggers("report"),
         plots=lambda wildcards, output: os.path.dirname(output.plots[0]),
         vllm=lambda wildcards, input: f" --vllm {input.vllm[0]}" if input.vllm else "",
+        sglang=lambda wildcards, input: (
+            f" --sglang {input.sglang[0]}" if input.sglang else ""
+        ),
         sampling=lambda wildcards, input: (
             f" --sampling {input.sampling[0]}" if input.sampling else ""
         ),
@@ -155,7 +197,8 @@ rule report:
     shell:
         "python -m dflash report --stats {input.stats} --metrics {input.metrics}"
         " --train-summary {input.train_summary} --acceptance {input.acceptance}"
-        " --ddtree {input.ddtree}{params.vllm}{params.sampling} --tokenized {input.tokenized}"
+        " --ddtree {input.ddtree}{params.vllm}{params.sglang}{params.sampling}"
+        " --tokenized {input.tokenized}"
         " --drafter {params.drafter:q} --serve-target {params.serve_target:q}"
         " --summary {output.summary} --plots {params.plots}"
         " --manifest {output.manifest} > {log} 2>&1"
