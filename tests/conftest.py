@@ -1,6 +1,7 @@
 """Shared fixtures: one real run of the data workflow on the tiny config, reused by the tests
 that need its target model or its outputs (building the target takes ~25 s), and a second full
-run from scratch for the tests that compare two runs."""
+run from scratch for the tests that compare two runs; and a serving engine's outputs made up from
+an evaluation's τ (`served_like`), for eval_vllm's and eval_sglang's tests."""
 
 from __future__ import annotations
 
@@ -159,6 +160,29 @@ class Workflow:
         the run's tokenize stage names it."""
         manifest = json.loads((self.results / "manifests/tokenize_train.json").read_text())
         return (self.workdir / manifest["inputs"]["target"]).parent
+
+
+def served_like(
+    acceptance: dict, scale: dict[str, float], engine: str = "vllm", version: str = "0.24.0"
+) -> tuple[dict, dict]:
+    """A serving engine's outputs (its serve module's, as eval_vllm and eval_sglang read them)
+    for the run's own prompts whose per-prompt acceptance lengths are the evaluation's τ times
+    `scale[set]`; the target alone decodes the same tokens."""
+    ours = acceptance["per_prompt"]
+    rows = []
+    for pid, name, tau, n in zip(
+        ours["ids"], ours["sets"], ours["methods"]["drafter"]["tau"],
+        ours["methods"]["drafter"]["tokens"], strict=True,
+    ):  # fmt: skip
+        drafts = 100  # acceptance length 1 + accepted / drafts
+        accepted = round((tau * scale.get(name, 1.0) - 1) * drafts)
+        rows.append({"id": pid, "set": name, "tokens": list(range(n)), "seconds": 0.5,
+                     "drafts": drafts, "accepted": accepted, "per_position": [drafts, accepted - drafts]})  # fmt: skip
+    alone = [{**r, "seconds": 1.0} for r in rows]
+    speed = {"8": {"tokens_per_s": 300.0}, "32": {"tokens_per_s": 900.0}}
+    served = {engine: version, "startup_s": 40.0, "prompts": rows, "concurrency": speed}
+    base = {"8": {"tokens_per_s": 200.0}, "32": {"tokens_per_s": 1000.0}}
+    return served, {engine: version, "startup_s": 30.0, "prompts": alone, "concurrency": base}
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import OVER, Workflow
+from conftest import OVER, Workflow, served_like
 
 from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
@@ -34,26 +34,6 @@ def test_counters_differenced_over_a_request():
     before = snapshot(10, 14, [8, 4, 2])
     after = snapshot(15, 25, [12, 7, 4, 2])
     assert difference(after, before) == {"drafts": 5, "accepted": 11, "per_position": [4, 3, 2, 2]}
-
-
-def served_like(acceptance: dict, scale: dict[str, float]) -> tuple[dict, dict]:
-    """vLLM worker outputs for the run's own prompts whose per-prompt acceptance lengths are the
-    evaluation's τ times `scale[set]`; the target alone decodes the same tokens."""
-    ours = acceptance["per_prompt"]
-    rows = []
-    for pid, name, tau, n in zip(
-        ours["ids"], ours["sets"], ours["methods"]["drafter"]["tau"],
-        ours["methods"]["drafter"]["tokens"], strict=True,
-    ):  # fmt: skip
-        drafts = 100  # acceptance length 1 + accepted / drafts
-        accepted = round((tau * scale.get(name, 1.0) - 1) * drafts)
-        rows.append({"id": pid, "set": name, "tokens": list(range(n)), "seconds": 0.5,
-                     "drafts": drafts, "accepted": accepted, "per_position": [drafts, accepted - drafts]})  # fmt: skip
-    alone = [{**r, "seconds": 1.0} for r in rows]
-    speed = {"8": {"tokens_per_s": 300.0}, "32": {"tokens_per_s": 900.0}}
-    served = {"vllm": "0.24.0", "startup_s": 40.0, "prompts": rows, "concurrency": speed}
-    base = {"8": {"tokens_per_s": 200.0}, "32": {"tokens_per_s": 1000.0}}
-    return served, {"vllm": "0.24.0", "startup_s": 30.0, "prompts": alone, "concurrency": base}
 
 
 def test_vllm_acceptance_is_set_beside_a_real_runs_tau_by_prompt_and_set(second_workflow):
