@@ -49,6 +49,28 @@ def decoding(*args: Arg) -> tuple[Arg, ...]:
     )
 
 
+SERVING = ("eval.vllm", "eval.sglang")  # the engines' sections: inert for every other stage
+
+
+def serving(engine: str, what: str) -> Stage:
+    """A serving engine's stage (`dflash.eval.ENGINE_stage`, rule eval_ENGINE), beside eval."""
+    others = tuple(k for k in SERVING if k != f"eval.{engine}")
+    return Stage(
+        f"eval-{engine}",
+        f"dflash.eval.{engine}_stage:run",
+        f"the drafter served by {what}, beside eval",
+        decoding(
+            Arg("--acceptance", "eval's acceptance.json", IN),
+            Arg("--sampling", "sample-eval's sampling.json (at temperature)", IN, False),
+            Arg("--output", f"{engine}.json to write", OUT),
+        ),
+        rules=(f"eval_{engine}",),
+        config=EVAL_CONFIG,
+        inert=(*others, "eval.ddtree", "eval.baselines", "eval.with_lookup"),
+        code=(f"dflash.eval.{engine}_stage", f"dflash.eval.{engine}_serve"),
+    )
+
+
 TABLE = (
     Stage(
         "target",
@@ -218,7 +240,7 @@ TABLE = (
         ),
         rules=("eval_acceptance",),
         config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.sglang", "eval.ddtree", "eval.sampling"),
+        inert=(*SERVING, "eval.ddtree", "eval.sampling"),
     ),
     Stage(
         "ddtree",
@@ -228,14 +250,7 @@ TABLE = (
         rules=("eval_ddtree",),
         config=EVAL_CONFIG,
         # the tree decodes with the trained drafter alone: no baselines, no teacher forcing
-        inert=(
-            "eval.vllm",
-            "eval.sglang",
-            "eval.baselines",
-            "eval.with_lookup",
-            "drafter",
-            "eval.sampling",
-        ),
+        inert=(*SERVING, "eval.baselines", "eval.with_lookup", "drafter", "eval.sampling"),
     ),
     Stage(
         "sample-eval",
@@ -249,36 +264,10 @@ TABLE = (
         ),
         rules=("eval_sampling",),
         config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.sglang", "eval.tie_margin"),
+        inert=(*SERVING, "eval.tie_margin"),
     ),
-    Stage(
-        "eval-vllm",
-        "dflash.eval.vllm_stage:run",
-        "the drafter served by vLLM's DFlash method, beside eval",
-        decoding(
-            Arg("--acceptance", "eval's acceptance.json", IN),
-            Arg("--sampling", "sample-eval's sampling.json (at temperature)", IN, False),
-            Arg("--output", "vllm.json to write", OUT),
-        ),
-        rules=("eval_vllm",),
-        config=EVAL_CONFIG,
-        inert=("eval.sglang", "eval.ddtree", "eval.baselines", "eval.with_lookup"),
-        code=("dflash.eval.vllm_stage", "dflash.eval.vllm_serve"),
-    ),
-    Stage(
-        "eval-sglang",
-        "dflash.eval.sglang_stage:run",
-        "the drafter served by SGLang's DFLASH worker, beside eval",
-        decoding(
-            Arg("--acceptance", "eval's acceptance.json", IN),
-            Arg("--sampling", "sample-eval's sampling.json (at temperature)", IN, False),
-            Arg("--output", "sglang.json to write", OUT),
-        ),
-        rules=("eval_sglang",),
-        config=EVAL_CONFIG,
-        inert=("eval.vllm", "eval.ddtree", "eval.baselines", "eval.with_lookup"),
-        code=("dflash.eval.sglang_stage", "dflash.eval.sglang_serve"),
-    ),
+    serving("vllm", "vLLM's DFlash method"),
+    serving("sglang", "SGLang's DFLASH worker"),
     Stage(
         "report",
         "dflash.eval.report:run",
