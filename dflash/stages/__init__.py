@@ -30,8 +30,7 @@ TRAINING_CONFIG = (
     "train",
     *BATCHING,
     *ANSWER_MODE,
-    "eval.sampling.top_p",
-    "eval.sampling.top_k",
+    *("eval.sampling.top_p", "eval.sampling.top_k"),
 )
 # What the decoding stages read: the eval section, the drafter's loss settings (teacher-forced τ)
 # and the seed (the untrained baseline; the streams at temperature); cache_dir is where eval sets
@@ -372,16 +371,10 @@ TABLE = (
             ),  # fmt: skip
             Arg("--tokenizer", "folder with the tokenizer's files", PATH),
             Arg("--out", "HF model directory to create", PATH),
-            Arg(
-                "--seed",
-                "torch seed of the weights (default 0)",
-                None,
-                False,
-                {"type": int, "default": 0},
-            ),  # fmt: skip
+            Arg("--seed", "torch seed of the weights", None, False, {"type": int, "default": 0}),
             Arg(
                 "--device",
-                "where to draw the weights (auto: cuda if present)",
+                "where to draw them (auto: cuda if present)",
                 None,
                 False,
                 {"default": "auto"},
