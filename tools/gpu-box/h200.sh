@@ -20,6 +20,9 @@
 #   vllm                the staged vLLM bundle's parts joined and installed in /tmp/vllm-site,
 #                       last on PYTHONPATH: a run already going finds vLLM from its next job on,
 #                       its other packages kept
+#   sglang              the staged SGLang bundle's parts joined and installed in /tmp/sglang-site,
+#                       which eval.sglang.site names (tools/gpu-box/h200-serving.yaml): only the
+#                       engine processes of eval_sglang put it on their path
 #   unpack DIR          results/ files brought back earlier (DIR/data.tar.part-*, e.g. a run's
 #                       tokenized training rows: .carrydata from tools/gpu-box/carrydata.sh) into
 #                       results/: tools/gpu-box/stages.sh then skips the stages whose outputs they are
@@ -62,7 +65,7 @@ copy_tree() {
   rm -rf "$SRC" && mkdir -p "$SRC"
   # (the carried wheels stay behind; .carryinit, a drafter to start from, comes along)
   tar cf - --exclude=./results --exclude=./resources --exclude=./.snakemake \
-    --exclude='./.carry[0-9v]*' --exclude=./.whl --exclude=./.venv --exclude=./.git . |
+    --exclude='./.carry[0-9vs]*' --exclude=./.whl --exclude=./.venv --exclude=./.git . |
     tar xf - -C "$SRC"
   ln -s "$RES" "$SRC/results"
   ln -s "$STATE/.snakemake" "$SRC/.snakemake" && ln -s "$STATE/resources" "$SRC/resources"
@@ -155,6 +158,13 @@ vllm)  # the vLLM bundle carried in parts (tools/gpu-box/vllm-wheels.sh DIR, the
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/vllm-site /tmp/stage/wheels/*.whl
   python3 -c "import vllm; print('vllm', vllm.__version__)"
+  ;;
+sglang)  # as `vllm`, for tools/gpu-box/sglang-wheels.sh's parts, into a site of its own
+  mkdir -p /tmp/stage/sglang && cat /tmp/stage/sglang-bundle.tar.part-* | tar x -C /tmp/stage/sglang
+  rm /tmp/stage/sglang-bundle.tar.part-*
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/sglang-site /tmp/stage/sglang/wheels/*.whl
+  PYTHONPATH=/tmp/sglang-site python3 -c "import sglang; print('sglang', sglang.__version__)"
   ;;
 unpack)
   mkdir -p results && cat "$2"/data.tar.part-* | tar x -C results
