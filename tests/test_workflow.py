@@ -327,7 +327,9 @@ def data_stage_hashes(flow) -> dict[str, str]:
 
 def test_deleting_results_converts_nothing_again(tiny_workflow, tmp_path):
     """The converted target is a reference input under resources/: after `rm -rf results` a dry
-    run plans every data stage but no target rule, and the rerun reads the same conversion."""
+    run plans every data stage but no target rule, and the rerun reads the same conversion. The
+    rerun makes the held-out split's tokenized rows only: its jobs are every rule that reads
+    the target (regenerate_shard, tokenize), without the training split's twins of them."""
     work = tmp_path / "work"  # a copy of the run's folder, .snakemake included
     shutil.copytree(tiny_workflow.workdir, work, ignore=shutil.ignore_patterns("results-*"))
     flow = Workflow(tiny_workflow.repo, work)
@@ -337,9 +339,14 @@ def test_deleting_results_converts_nothing_again(tiny_workflow, tmp_path):
     shutil.rmtree(flow.results)
     planned = flow.planned_jobs("stats")
     assert "target" not in planned and DATA_RULES <= planned.keys()
-    flow.run("stats")
-    assert flow.target == target and sha256_tree(target) == before
-    assert flow.planned_jobs("stats") == {}
+    held_out = "results/data/tokenized/eval.parquet"
+    done = flow.run(held_out)
+    log = done.stdout + done.stderr
+    assert "rule regenerate_shard:" in log and "rule tokenize:" in log and "rule target:" not in log
+    manifest = json.loads((flow.results / "manifests/tokenize_eval.json").read_text())
+    assert (work / manifest["inputs"]["target"]).parent == target
+    assert sha256_tree(target) == before
+    assert flow.planned_jobs(held_out) == {}
 
 
 def test_a_second_run_from_scratch_builds_byte_identical_data(tiny_workflow, second_workflow):
