@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import OVER, TESTS, Workflow
+from conftest import OVER, TESTS, Workflow, jobs_in
 
 from dflash.io import sha256_file, sha256_tree
 from dflash.train import launch
@@ -132,7 +132,7 @@ def test_a_local_targets_defaults_are_chosen_or_refused_before_any_job(tiny_work
     said = done.stderr + done.stdout
     assert "target.mask_token_id: null -> 3, the first unused special token '<repo_name>'" in said
     assert "drafter.target_layer_ids: null -> [15] (of its 30 layers)" in said
-    assert "train" in flow.planned_jobs("train", *elsewhere, config="local-target.yaml")
+    assert "train" in jobs_in(done.stdout)
     config["target"]["mask_token_id"] = 2
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
     done = flow.run("-n", "train", *elsewhere, config="local-target.yaml", check=False)
@@ -301,9 +301,10 @@ def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
         original = path.read_text()
         try:
             path.write_text(original + "\n# an edit\n")
-            assert set(flow.planned_jobs("stats")) - {"stats"} == expected, module
+            dry = flow.run("-n", "stats").stdout
+            assert set(jobs_in(dry)) - {"stats"} == expected, module
             # the reason names the file, before and after
-            why = reasons(flow.run("-n", "stats").stdout)[first]
+            why = reasons(dry)[first]
             assert why.count(f"code dflash/data/{module} ") == 2, why
         finally:
             path.write_text(original)
@@ -604,7 +605,7 @@ def test_reruns_are_as_narrow_as_the_change_and_the_reason_names_it(tiny_workflo
     config["eval"]["ddtree"]["budgets"] = [4, 8]
     (flow.workdir / "tree.yaml").write_text(yaml.safe_dump(config))
     out = flow.run("-n", "all", config="tree.yaml").stdout
-    assert set(flow.planned_jobs("all", config="tree.yaml")) == {
+    assert set(jobs_in(out)) == {
         "eval_ddtree", "eval_sampling", "report", "record", "all"
     }  # fmt: skip
     why = reasons(out)["eval_ddtree"]
