@@ -111,6 +111,15 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
+def jobs_in(dry_run_stdout: str) -> dict[str, int]:
+    """Rule -> job count in a dry run's job stats (empty when nothing is stale): for a test that
+    also reads the dry run's reasons or commands, from the same Snakemake start."""
+    if "Job stats:" not in dry_run_stdout:
+        return {}
+    table = dry_run_stdout.split("Job stats:")[1].split("total")[0].splitlines()[3:]
+    return {line.split()[0]: int(line.split()[1]) for line in table if line.strip()}
+
+
 class Workflow:
     def __init__(self, repo: Path, workdir: Path):
         self.repo, self.workdir = repo, workdir
@@ -144,11 +153,7 @@ class Workflow:
 
     def planned_jobs(self, *args: str, config: str = "tiny.yaml") -> dict[str, int]:
         """Rule -> job count that a dry run plans (empty when nothing is stale)."""
-        out = self.run("-n", *args, config=config).stdout
-        if "Job stats:" not in out:
-            return {}
-        table = out.split("Job stats:")[1].split("total")[0].splitlines()[3:]
-        return {line.split()[0]: int(line.split()[1]) for line in table if line.strip()}
+        return jobs_in(self.run("-n", *args, config=config).stdout)
 
     @property
     def results(self) -> Path:

@@ -109,6 +109,45 @@ def steps(out: Path) -> list[dict]:
     ]
 
 
+# First in the file: its quiet run waits for the other worker's current test to end, and early in
+# the session that is a short one, not the second full run (it waited 230 s for that in CI, when it
+# came after this module's `runs`); it needs no module fixture but the data.
+@pytest.mark.quiet_host
+def test_a_busy_host_is_named_as_the_cause_of_slower_training(data, target_dir, tmp_path):
+    """The same colocated run with other processes busy on every CPU: same weights, lower
+    throughput, and compare blames the host, from what the training itself sampled. The quiet
+    run is made here, alone on the machine, not taken from the module's runs; the busy run goes
+    beside the other xdist worker's tests, as beside another user's jobs."""
+    quiet, busy = tmp_path / "quiet", tmp_path / "busy"
+    quiet.mkdir()
+    busy.mkdir()
+    with alone_on_this_host():
+        finish(launch(config(0, 1), data, target_dir, quiet, torchrun=False))
+    run = launch(config(0, 1), data, target_dir, busy, torchrun=False)
+    deadline = time.time() + 300
+    while not list(busy.glob("ckpt/run-*")):  # imports and loading done: training begins
+        assert run.poll() is None and time.time() < deadline, run.stderr.read()[-3000:]
+        time.sleep(0.05)
+    # Each burner in its own session, as another user's job would be: the kernel shares CPUs
+    # fairly between sessions (autogroup), so burners in the test's own session barely slow a
+    # run that sits in a session of its own.
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    try:
+        finish(run)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert weights(busy) == weights(quiet)
+    (verdict,) = compare(train_record(quiet), train_record(busy))["most_likely"]
+    assert verdict["effect"] == "throughput" and verdict["change_pct"] < -5, verdict
+    assert verdict["cause"] == "host", verdict
+    assert verdict["summary"].startswith("CPU time used by other processes"), verdict
+
+
 @pytest.fixture(scope="module")
 def runs(data, target_dir, tmp_path_factory) -> dict:
     """One finished run per topology (targets, drafters); (0, 1) runs without torchrun."""
@@ -376,42 +415,6 @@ def test_telemetry_names_links_roles_and_the_bottleneck(runs):
     assert summary["steps"] == records[-1]["step"] == summary["rate_steps"] + 1
     colocated = json.loads((runs[(0, 2)] / "summary.json").read_text())
     assert colocated["bottleneck"] == "colocated"
-
-
-@pytest.mark.quiet_host
-def test_a_busy_host_is_named_as_the_cause_of_slower_training(runs, data, target_dir, tmp_path):
-    """The same colocated run with other processes busy on every CPU: same weights, lower
-    throughput, and compare blames the host, from what the training itself sampled. The quiet
-    run is made here, alone on the machine, not taken from the module's runs; the busy run goes
-    beside the other xdist worker's tests, as beside another user's jobs."""
-    quiet, busy = tmp_path / "quiet", tmp_path / "busy"
-    quiet.mkdir()
-    busy.mkdir()
-    with alone_on_this_host():
-        finish(launch(config(0, 1), data, target_dir, quiet, torchrun=False))
-    run = launch(config(0, 1), data, target_dir, busy, torchrun=False)
-    deadline = time.time() + 300
-    while not list(busy.glob("ckpt/run-*")):  # imports and loading done: training begins
-        assert run.poll() is None and time.time() < deadline, run.stderr.read()[-3000:]
-        time.sleep(0.05)
-    # Each burner in its own session, as another user's job would be: the kernel shares CPUs
-    # fairly between sessions (autogroup), so burners in the test's own session barely slow a
-    # run that sits in a session of its own.
-    burners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(2 * (os.cpu_count() or 1))
-    ]
-    try:
-        finish(run)
-    finally:
-        for burner in burners:
-            burner.kill()
-            burner.wait()
-    assert weights(busy) == weights(quiet) == weights(runs[(0, 1)])
-    (verdict,) = compare(train_record(quiet), train_record(busy))["most_likely"]
-    assert verdict["effect"] == "throughput" and verdict["change_pct"] < -5, verdict
-    assert verdict["cause"] == "host", verdict
-    assert verdict["summary"].startswith("CPU time used by other processes"), verdict
 
 
 def train_record(out: Path) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from conftest import OVER, TESTS, Workflow
+from conftest import OVER, TESTS, Workflow, jobs_in
 
 from dflash.io import sha256_file, sha256_tree
 from dflash.train import launch
@@ -132,7 +132,7 @@ def test_a_local_targets_defaults_are_chosen_or_refused_before_any_job(tiny_work
     said = done.stderr + done.stdout
     assert "target.mask_token_id: null -> 3, the first unused special token '<repo_name>'" in said
     assert "drafter.target_layer_ids: null -> [15] (of its 30 layers)" in said
-    assert "train" in flow.planned_jobs("train", *elsewhere, config="local-target.yaml")
+    assert "train" in jobs_in(done.stdout)
     config["target"]["mask_token_id"] = 2
     (flow.workdir / "local-target.yaml").write_text(yaml.safe_dump(config))
     done = flow.run("-n", "train", *elsewhere, config="local-target.yaml", check=False)
@@ -301,9 +301,10 @@ def test_module_edit_reruns_the_stages_that_import_it(tiny_workflow):
         original = path.read_text()
         try:
             path.write_text(original + "\n# an edit\n")
-            assert set(flow.planned_jobs("stats")) - {"stats"} == expected, module
+            dry = flow.run("-n", "stats").stdout
+            assert set(jobs_in(dry)) - {"stats"} == expected, module
             # the reason names the file, before and after
-            why = reasons(flow.run("-n", "stats").stdout)[first]
+            why = reasons(dry)[first]
             assert why.count(f"code dflash/data/{module} ") == 2, why
         finally:
             path.write_text(original)
@@ -327,7 +328,9 @@ def data_stage_hashes(flow) -> dict[str, str]:
 
 def test_deleting_results_converts_nothing_again(tiny_workflow, tmp_path):
     """The converted target is a reference input under resources/: after `rm -rf results` a dry
-    run plans every data stage but no target rule, and the rerun reads the same conversion."""
+    run plans every data stage but no target rule, and the rerun reads the same conversion. The
+    rerun makes the held-out split's tokenized rows only: its jobs are every rule that reads
+    the target (regenerate_shard, tokenize), without the training split's twins of them."""
     work = tmp_path / "work"  # a copy of the run's folder, .snakemake included
     shutil.copytree(tiny_workflow.workdir, work, ignore=shutil.ignore_patterns("results-*"))
     flow = Workflow(tiny_workflow.repo, work)
@@ -337,9 +340,14 @@ def test_deleting_results_converts_nothing_again(tiny_workflow, tmp_path):
     shutil.rmtree(flow.results)
     planned = flow.planned_jobs("stats")
     assert "target" not in planned and DATA_RULES <= planned.keys()
-    flow.run("stats")
-    assert flow.target == target and sha256_tree(target) == before
-    assert flow.planned_jobs("stats") == {}
+    held_out = "results/data/tokenized/eval.parquet"
+    done = flow.run(held_out)
+    log = done.stdout + done.stderr
+    assert "rule regenerate_shard:" in log and "rule tokenize:" in log and "rule target:" not in log
+    manifest = json.loads((flow.results / "manifests/tokenize_eval.json").read_text())
+    assert (work / manifest["inputs"]["target"]).parent == target
+    assert sha256_tree(target) == before
+    assert flow.planned_jobs(held_out) == {}
 
 
 def test_a_second_run_from_scratch_builds_byte_identical_data(tiny_workflow, second_workflow):
@@ -597,7 +605,7 @@ def test_reruns_are_as_narrow_as_the_change_and_the_reason_names_it(tiny_workflo
     config["eval"]["ddtree"]["budgets"] = [4, 8]
     (flow.workdir / "tree.yaml").write_text(yaml.safe_dump(config))
     out = flow.run("-n", "all", config="tree.yaml").stdout
-    assert set(flow.planned_jobs("all", config="tree.yaml")) == {
+    assert set(jobs_in(out)) == {
         "eval_ddtree", "eval_sampling", "report", "record", "all"
     }  # fmt: skip
     why = reasons(out)["eval_ddtree"]
