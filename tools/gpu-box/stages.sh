@@ -4,9 +4,10 @@
 # resumes (regeneration per batch, training per checkpoint). Single process: the config's
 # topology must be colocated with one drafter. The rules in workflow/rules/ are the reference.
 #   bash tools/gpu-box/stages.sh config/h200.yaml results [stage ...]
-# Stages: target expand regenerate tokenize stats train eval ddtree vllm (default: all of them
-# but vllm, which needs vLLM installed). $SPLITS: the splits to regenerate and tokenize (default:
-# train eval; `eval` alone for a drafter trained elsewhere, placed in results/drafter).
+# Stages: target expand regenerate tokenize stats train eval ddtree sampling vllm (default: all
+# of them but sampling, at eval.sampling's temperatures, and vllm, which needs vLLM installed).
+# $SPLITS: the splits to regenerate and tokenize (default: train eval; `eval` alone for a drafter
+# trained elsewhere, placed in results/drafter).
 set -euo pipefail
 CFG=$1
 R=$2
@@ -51,5 +52,10 @@ run eval "$R/eval/acceptance.json" $DFLASH eval "${EVAL[@]}" \
   --tokenized "$R/data/tokenized/eval.parquet" --train "$R/data/expanded/train.parquet" \
   --output "$R/eval/acceptance.json"
 run ddtree "$R/eval/ddtree.json" $DFLASH ddtree "${EVAL[@]}" --output "$R/eval/ddtree.json"
+run sampling "$R/eval/sampling.json" $DFLASH sample-eval "${EVAL[@]}" \
+  --tokenized "$R/data/tokenized/eval.parquet" --acceptance "$R/eval/acceptance.json" \
+  --output "$R/eval/sampling.json"
+SAMPLED=()  # vLLM at temperature is set beside our figures there, when they were made
+[ -e "$R/eval/sampling.json" ] && SAMPLED=(--sampling "$R/eval/sampling.json")
 run vllm "$R/eval/vllm.json" $DFLASH eval-vllm "${EVAL[@]}" --acceptance "$R/eval/acceptance.json" \
-  --output "$R/eval/vllm.json"
+  "${SAMPLED[@]}" --output "$R/eval/vllm.json"
