@@ -39,7 +39,8 @@ def make_models(folder: Path) -> tuple[Path, Path]:
 
 
 def main(out: Path, backend: str | None) -> None:
-    from dflash.eval.sglang_serve import RESOLVED, counts, engine_args, greedy_params
+    from dflash.eval.serve_loop import Sampling
+    from dflash.eval.sglang_serve import RESOLVED, counts, engine_args, sampling_params
 
     report: dict = {"backend": backend}
     target, drafter = make_models(out)
@@ -58,10 +59,12 @@ def main(out: Path, backend: str | None) -> None:
     report["startup_s"] = round(time.perf_counter() - started, 1)
     report["server_args"] = {k: str(getattr(engine.server_args, k, None)) for k in RESOLVED}
     prompt = list(range(5, 69))
+    greedy = sampling_params(Sampling(0.0, 64, (0,)))
     steps = {
-        "greedy_alone": lambda: engine.generate(input_ids=prompt, sampling_params=greedy_params(request)),
+        "greedy_alone": lambda: engine.generate(input_ids=prompt, sampling_params=greedy),
+        "greedy_batch_of_one": lambda: engine.generate(input_ids=[prompt], sampling_params=[greedy]),
         "greedy_batched": lambda: engine.generate(
-            input_ids=[prompt, prompt[:32]], sampling_params=[greedy_params(request)] * 2
+            input_ids=[prompt, prompt[:32]], sampling_params=[greedy] * 2
         ),
         "t1_seeded": lambda: engine.generate(
             input_ids=[prompt, prompt], sampling_params=[

@@ -1,7 +1,8 @@
 """The eval_sglang stage around SGLang: its meta_info read per prompt, set beside an evaluation,
 its engine's environment and arguments, and the stage planned and refused as a user meets it.
 SGLang itself needs a GPU and is not installed here: the meta_info dicts below are shaped as
-SGLang 0.5.17 returns them (docs/notes-sglang-dflash.md); not run on a GPU yet."""
+SGLang 0.5.17 returns them (docs/notes-sglang-dflash.md), which a run on one H100 confirmed
+(docs/benchmarks/2026-12-07-sglang-beside-ours-h100.md)."""
 
 from __future__ import annotations
 

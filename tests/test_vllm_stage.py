@@ -15,7 +15,8 @@ from conftest import OVER, Workflow, jobs_in, served_like
 
 from dflash.errors import UserError
 from dflash.eval.metrics import text_digest
-from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters, difference
+from dflash.eval.serve_loop import difference
+from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, counters
 from dflash.eval.vllm_stage import compare, same_text, summary_section, walk_served
 from dflash.record import eval_summary
 

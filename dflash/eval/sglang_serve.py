@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 
+from dflash.eval.serve_loop import Answer, Sampling, add, decode, zero_counts
 from dflash.eval.served import engine_main
 
 # what SGLang resolved for itself, kept for the record
@@ -71,62 +72,48 @@ def engine_args(request: dict) -> dict:
     return args
 
 
-def greedy_params(request: dict) -> dict:
-    return {"temperature": 0.0, "max_new_tokens": request["max_new_tokens"],
-            "stop_token_ids": request["eos_ids"]}  # fmt: skip
+def sampling_params(s: Sampling) -> dict:
+    params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
+              "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids)}  # fmt: skip
+    return params if s.seed is None else params | {"sampling_seed": s.seed}
+
+
+class SglangEngine:
+    """`serve_loop.Engine` over `sglang.Engine`: SGLang reports counts per request, summed here
+    into counters as vLLM keeps them; the rest of each request's meta_info goes with its answer."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.total = zero_counts()
+
+    def generate(self, batch: list[list[int]], sampling: list[Sampling]) -> list[Answer]:
+        params = [sampling_params(s) for s in sampling]
+        outs = self.engine.generate(input_ids=batch, sampling_params=params)  # a list of lists:
+        answers = []  # a batch, answered in order, also for one request
+        for out in outs:
+            request = counts(out["meta_info"])
+            self.total = add(self.total, request)
+            extra = {k: v for k, v in request.items() if k not in self.total}
+            answers.append(Answer(list(out["output_ids"]), out["text"], extra))
+        return answers
+
+    def counters(self) -> dict:
+        return self.total
 
 
 def serve(request: dict) -> dict:
     import sglang
     from transformers import AutoTokenizer
 
-    from dflash.eval.sets import EvalPrompt
-    from dflash.eval.setup import encode
-
     started = time.perf_counter()
     engine = sglang.Engine(**engine_args(request))
     startup_s = time.perf_counter() - started
     tokenizer = AutoTokenizer.from_pretrained(request["target"])
-    template = request.get("chat_template_kwargs") or {}
-
-    def turns(key):
-        return [EvalPrompt(**{**p, "followups": tuple(p["followups"])}) for p in request[key]]
-
-    sampled = [
-        _sampled_waves(engine, tokenizer, turns("sampling_prompts"), spec, request, template)
-        for spec in request.get("sampling", [])
-    ]
-    rows, encoded = [], []
-    pending = turns("prompts") if request.get("prompts_alone", True) else []
-    while pending:
-        answers = []
-        for prompt in pending:
-            ids = encode(tokenizer, prompt, template)
-            t0 = time.perf_counter()
-            out = engine.generate(input_ids=ids, sampling_params=greedy_params(request))
-            seconds = time.perf_counter() - t0
-            rows.append({"id": prompt.id, "set": prompt.set_name, "prompt_ids": ids,
-                         "tokens": list(out["output_ids"]), "seconds": seconds,
-                         **counts(out["meta_info"])})  # fmt: skip
-            encoded.append(ids)
-            answers.append(out["text"])
-        pending = [p.followup(a) for p, a in zip(pending, answers, strict=True) if p.followups]
-    concurrency = {}
-    for c in request["concurrency"] if rows else []:
-        tokens, seconds = 0, 0.0
-        for i in range(0, len(encoded), c):
-            batch = encoded[i : i + c]
-            t0 = time.perf_counter()
-            params = [greedy_params(request)] * len(batch)
-            outs = engine.generate(input_ids=batch, sampling_params=params)
-            seconds += time.perf_counter() - t0
-            tokens += sum(len(o["output_ids"]) for o in outs)
-        concurrency[str(c)] = {"tokens": tokens, "seconds": round(seconds, 3),
-                               "tokens_per_s": round(tokens / seconds, 1)}  # fmt: skip
+    decoded = decode(SglangEngine(engine), tokenizer, request)
     resolved = {k: getattr(getattr(engine, "server_args", None), k, None) for k in RESOLVED}
     engine.shutdown()
-    return {"sglang": sglang.__version__, "startup_s": round(startup_s, 1), "prompts": rows,
-            "concurrency": concurrency, "sampled": sampled, "server_args": resolved,
+    return {"sglang": sglang.__version__, "startup_s": round(startup_s, 1), **decoded,
+            "server_args": resolved,
             "sampling_verify": _sampling_verify() if request.get("drafter") else None}  # fmt: skip
 
 
@@ -139,35 +126,6 @@ def _sampling_verify() -> bool | None:
     except ImportError:
         return None
     return bool(is_dflash_sampling_verify_available())
-
-
-def _sampled_waves(engine, tokenizer, first_turns, spec: dict, request: dict, template) -> dict:
-    """One temperature: per seed and eval set, the set's prompts in one wave per turn, and the
-    counts summed over the set's requests."""
-    from dflash.eval.setup import encode
-
-    per_seed = []
-    for seed in range(spec["seeds"]):
-        sets = {}
-        for name in dict.fromkeys(p.set_name for p in first_turns):
-            pending, total, wave = [p for p in first_turns if p.set_name == name], [], 0
-            while pending:
-                ids = [encode(tokenizer, p, template) for p in pending]
-                params = [
-                    {"temperature": spec["temperature"], "top_p": spec["top_p"],
-                     "top_k": spec["top_k"] or -1, "max_new_tokens": request["max_new_tokens"],
-                     "stop_token_ids": request["eos_ids"],
-                     "sampling_seed": 1_000_003 * seed + 1_009 * wave + i}
-                    for i in range(len(pending))
-                ]  # fmt: skip
-                outs = engine.generate(input_ids=ids, sampling_params=params)
-                total += [counts(o["meta_info"]) | {"tokens": len(o["output_ids"])} for o in outs]
-                pending = [p.followup(o["text"]) for p, o in zip(pending, outs, strict=True)
-                           if p.followups]  # fmt: skip
-                wave += 1
-            sets[name] = {k: sum(c[k] for c in total) for k in ("drafts", "accepted", "tokens")}
-        per_seed.append(sets)
-    return {**{k: spec[k] for k in ("temperature", "top_p", "top_k")}, "seeds": per_seed}
 
 
 if __name__ == "__main__":
