@@ -186,7 +186,8 @@ wait)
   if [ -n "${OUT:-}" ]; then  # at most 8 files come back: one archive and the drafter's parts
     files=$(cd results && ls summary.md MANIFEST.json eval/*.json train/metrics.jsonl train/summary.json \
       data/stats/stats.json data/*/report.json data/tokenized/*.report.json compile/warmup.json \
-      manifests/*.json logs/*.log 2>/dev/null || true)
+      manifests/*.json logs/*.log sweep/*/eval/*.json sweep/*/train/summary.json \
+      sweep/*/train/metrics.jsonl sweep/*/config.yaml 2>/dev/null || true)
     cp "$RUN/snakemake.log" results/logs/snakemake.run.log
     cp "$RUN"/gpu-memory.csv "$RUN"/disk.log results/logs/ 2>/dev/null || true
     (cd results && tar czf "$OUT/results.tgz" $files logs/snakemake.run.log \
