@@ -55,6 +55,27 @@ def walk(matches: list[int], first: int, last: int) -> list[int]:
 
 
 @torch.no_grad()
+def drafted_blocks(drafter, embed_tokens, features, ids, chunk):
+    """The blocks anchored at `chunk` (1, n) positions of `ids` (s,) and the drafter's last hidden
+    state at each of their slots (n, B, hidden), under the training mask (teacher forcing)."""
+    cfg = drafter.config
+    bs, s, device = cfg.block_size, ids.shape[0], ids.device
+    valid = torch.ones_like(chunk, dtype=torch.bool)
+    blocks = make_blocks(
+        ids[None], torch.ones_like(ids)[None], chunk, valid, bs, cfg.mask_token_id, 1.0
+    )
+    q_len = blocks.ids.shape[1]
+    mask = dense_mask(dflash_mask_mod(chunk, valid, s, bs), 1, q_len, s + q_len, device)
+    hidden = drafter(
+        embed_tokens(blocks.ids).to(features.dtype),
+        features,
+        blocks.positions,
+        torch.arange(s, device=device)[None],
+        sdpa_attend(mask),
+    )[0].view(-1, bs, cfg.hidden_size)
+    return blocks, hidden
+
+
 def block_matches(
     drafter, embed_tokens, head_weight, features, ids, anchors, last, chunk_anchors: int = 256
 ) -> torch.Tensor:
@@ -64,27 +85,13 @@ def block_matches(
     in order and only for anchors whose earlier slots all matched, so the LM head (the costly
     part) runs on about τ slots per anchor instead of B-1.
     """
-    cfg = drafter.config
-    bs, s = cfg.block_size, ids.shape[0]
+    bs = drafter.config.block_size
     device = head_weight.device
     ids = ids.to(device)
     out = []
     for lo in range(0, anchors.numel(), chunk_anchors):
         chunk = anchors[lo : lo + chunk_anchors].to(device)[None]
-        valid = torch.ones_like(chunk, dtype=torch.bool)
-        blocks = make_blocks(
-            ids[None], torch.ones_like(ids)[None], chunk, valid, bs, cfg.mask_token_id, 1.0
-        )
-        q_len = blocks.ids.shape[1]
-        mask = dense_mask(dflash_mask_mod(chunk, valid, s, bs), 1, q_len, s + q_len, device)
-        dtype = features.dtype
-        hidden = drafter(
-            embed_tokens(blocks.ids).to(dtype),
-            features,
-            blocks.positions,
-            torch.arange(s, device=device)[None],
-            sdpa_attend(mask),
-        )[0].view(-1, bs, cfg.hidden_size)
+        blocks, hidden = drafted_blocks(drafter, embed_tokens, features, ids, chunk)
         labels = blocks.labels[0]
         in_range = blocks.positions[0].view(-1, bs) <= last
         matched = torch.zeros(chunk.shape[1], dtype=torch.long, device=device)

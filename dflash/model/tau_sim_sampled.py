@@ -25,9 +25,8 @@ from contextlib import nullcontext
 
 import torch
 
-from dflash.model.objective import dense_mask, dflash_mask_mod, make_blocks, sdpa_attend
 from dflash.model.sampling import Sampling, probabilities
-from dflash.model.tau_sim import response_spans
+from dflash.model.tau_sim import drafted_blocks, response_spans
 
 TOP = 32
 # a draft slot whose chance of being reached is below this is not drafted (its LM head is the
@@ -74,28 +73,14 @@ def draft_acceptance(
     """(anchors, B-1) chances that each anchor's drafts are accepted: the target's probability
     (`top`: its (ids, probs) per position) of the drafter's argmax at each slot, 0 past `last`.
     Slots are drafted in order and only where reached with chance >= `REACHED`."""
-    cfg = drafter.config
-    bs, s = cfg.block_size, ids.shape[0]
+    bs = drafter.config.block_size
     device = head_weight.device
     ids = ids.to(device)
     top_ids, top_probs = (t.to(device) for t in top)
     out = []
     for lo in range(0, anchors.numel(), chunk_anchors):
         chunk = anchors[lo : lo + chunk_anchors].to(device)[None]
-        valid = torch.ones_like(chunk, dtype=torch.bool)
-        blocks = make_blocks(
-            ids[None], torch.ones_like(ids)[None], chunk, valid, bs, cfg.mask_token_id, 1.0
-        )
-        q_len = blocks.ids.shape[1]
-        mask = dense_mask(dflash_mask_mod(chunk, valid, s, bs), 1, q_len, s + q_len, device)
-        dtype = features.dtype
-        hidden = drafter(
-            embed_tokens(blocks.ids).to(dtype),
-            features,
-            blocks.positions,
-            torch.arange(s, device=device)[None],
-            sdpa_attend(mask),
-        )[0].view(-1, bs, cfg.hidden_size)
+        blocks, hidden = drafted_blocks(drafter, embed_tokens, features, ids, chunk)
         positions = blocks.positions[0].view(-1, bs)
         n = chunk.shape[1]
         alpha = torch.zeros(n, bs - 1, device=device)
