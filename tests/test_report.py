@@ -2,6 +2,7 @@
 its first-step seconds."""
 
 from dflash.eval.clock import busy_clocks, clock_caveats, probe_spread, same_prompt_speedups
+from dflash.eval.fastest import fastest_text
 from dflash.eval.report import _precision, _startup, per_prompt_text
 
 
@@ -166,3 +167,29 @@ def test_the_summary_counts_the_near_ties_that_only_float32_forgave():
     acc["near_ties"] = {"drafter": [tie]}
     assert "float32 gap" not in _precision(acc) and "1 outputs part" in _precision(acc)
     assert _precision({"dtype": "float32"}) == " (float32: outputs equal token for token)"
+
+
+def test_the_fastest_method_is_named_overall_and_per_set_with_who_serves_it():
+    """The 2-epoch recipe drafter's H100 figures (2026-12-06): prompt lookup led the chain on every
+    set; on a set where the chain leads, it is named alone."""
+    sets = {"gsm8k": 763.95, "mt_bench": 676.34}
+    target = {"gsm8k": 573.74, "mt_bench": 573.81}
+    lookup = {"gsm8k": 1199.0, "mt_bench": 500.0}
+    branch = {"gsm8k": 900.0, "mt_bench": 600.0}
+    acceptance = {
+        "speedup": 1.201,
+        "sets": {k: {"tokens_per_s": v} for k, v in sets.items()},
+        "baselines": {"lookup": {"speedup": 2.007}, "drafter+lookup": {"speedup": 1.497},
+                      "untrained": {"speedup": 0.9}, "target": {"speedup": 1.0}},
+        "baseline_sets": {name: {k: {"tokens_per_s": v} for k, v in rates.items()}
+                          for name, rates in (("target", target), ("lookup", lookup),
+                                              ("drafter+lookup", branch))},
+    }  # fmt: skip
+    text = fastest_text(acceptance)
+    assert "prompt lookup, 2.01x over all prompts (the chain 1.20x, the drafter + lookup branch " \
+        "1.50x); it is nearest to vLLM's `ngram` method." in text  # fmt: skip
+    assert "gsm8k prompt lookup 2.09x (the chain 1.33x)" in text
+    assert "mt_bench the chain 1.18x." in text and "untrained" not in text
+    # the chain alone beside the target: nothing to choose between
+    alone = {**acceptance, "baselines": {"target": {"speedup": 1.0}}}
+    assert fastest_text(alone) is None

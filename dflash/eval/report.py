@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dflash.eval import sglang_stage, vllm_stage
 from dflash.eval.clock import clock_caveats
+from dflash.eval.fastest import fastest_text
 from dflash.eval.handover import handover
 from dflash.eval.overlap import overlap_text
 from dflash.eval.report_sampling import sampling_text, trained_on_text
@@ -299,6 +300,9 @@ def summary_text(stats, train_summary, metrics, acceptance, ddtree, handover=())
         for name, m in sets.items():
             cells = [_tau(per_set[k][name]) if name in per_set[k] else "– | –" for k in others]
             lines.append(f"| {name} | {m['n_prompts']} | {_tau(m)} | {' | '.join(cells)} |")
+    fastest = fastest_text(acceptance)
+    if fastest:
+        lines += ["", fastest]
     lk = b.get("lookup")
     for key, label in (
         ("drafter", "the trained drafter"),
