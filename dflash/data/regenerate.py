@@ -29,7 +29,6 @@ from dflash.data.continuous import regenerate_continuous
 from dflash.data.expand import CONVERSATION, read_rows
 from dflash.data.generation import Conversation, Generator, plan_batches, regenerate_batch
 from dflash.data.regen_vllm import VllmTurns, require_vllm, visible_gpu
-from dflash.data.sources import DataError
 from dflash.errors import UserError
 from dflash.filehash import HashCache
 from dflash.gpus import claim_gpu
@@ -279,24 +278,6 @@ def decode_roofline(model, tiers: list[dict], elapsed: float) -> dict:
     }
 
 
-def merge_shards(input_path: Path, shard_files: list[Path], output: Path) -> None:
-    """Concatenate shards back into the input's row order, checking nothing is lost or doubled."""
-    expected = [r["id"] for r in read_rows(input_path)]
-    frame = pl.concat([pl.read_parquet(f) for f in shard_files])
-    got = frame["id"].to_list()
-    if sorted(got) != sorted(expected):
-        missing = len(set(expected) - set(got))
-        doubled = len(got) - len(set(got))
-        raise DataError(
-            f"regenerated shards {shard_files} do not match {input_path}: "
-            f"{missing} rows missing, {doubled} duplicated"
-        )
-    position = {row_id: i for i, row_id in enumerate(expected)}
-    frame = frame.with_columns(pl.col("id").replace_strict(position).alias("_pos"))
-    with atomic_path(output) as tmp:
-        frame.sort("_pos").drop("_pos").write_parquet(tmp, statistics=False)
-
-
 def run(args) -> dict:
     params = dict(args.config["data"]["regenerate"])
     torch.manual_seed(0)
@@ -304,7 +285,3 @@ def run(args) -> dict:
     # the manifest records what `auto` chose here, and the mode the answers were made in
     resolved = {k: rate[k] for k in ("engine", "dtype")}
     return {"params": {"resolved": resolved, "mode": serving_mode(args.config)}}
-
-
-def run_merge(args) -> None:
-    merge_shards(args.input, args.shard_files, args.output)

@@ -142,7 +142,7 @@ TABLE = (
     ),
     Stage(
         "merge-shards",
-        "dflash.data.regenerate:run_merge",
+        "dflash.data.merge_shards:run",
         "merge regenerated shards back into input order",
         (
             Arg("--input", "the expanded split they came from", IN),
