@@ -31,11 +31,14 @@ class AnsweringEngine:
 
     @staticmethod
     def answer(ids: list[int]) -> dict:
-        rounds, accepted = 1 + len(ids) % 3, len(ids) % 2
+        rounds, accepted = 1 + len(ids) % 3, len(ids) % 7
+        # one round accepts them all: the histogram is as long as that round's count + 1, so
+        # its length differs between requests (a shorter one after a longer one: not padded)
+        histogram = [rounds - 1, *[0] * (accepted - 1), 1] if accepted else [rounds]
         meta = {"completion_tokens": 1 + rounds + accepted, "spec_verify_ct": rounds,
                 "spec_accept_length": (1 + rounds + accepted) / rounds,
                 "spec_num_correct_drafts": accepted,
-                "spec_correct_drafts_histogram": [rounds - accepted, accepted]}  # fmt: skip
+                "spec_correct_drafts_histogram": histogram}  # fmt: skip
         return {"output_ids": [11, 12, 13, EOS], "text": f"echo {len(ids)}", "meta_info": meta}
 
 
@@ -63,6 +66,7 @@ def test_each_prompt_alone_then_its_next_turn_after_the_engines_own_answer(qwen3
     for row in rows:  # each row's counts are its own request's, not the running total
         expected = counts(AnsweringEngine.answer(row["prompt_ids"])["meta_info"])
         assert (row["drafts"], row["accepted"]) == (expected["drafts"], expected["accepted"])
+        assert row["per_position"] == expected["per_position"]  # its own, not padded
         assert row["sglang_accept_length"] == expected["sglang_accept_length"]
         assert row["tokens"] == [11, 12, 13, EOS]
     alone = [params for batch, params in engine.calls if len(batch) == 1][:4]
@@ -88,9 +92,76 @@ def test_sampled_waves_seed_every_request_apart_and_count_each_set(qwen3_tokeniz
     assert len(set(seeds)) == len(seeds)
     assert seeds[:4] == [0, 1, WAVE_STRIDE, 2] and seeds[4] == SEED_STRIDE
     assert all(p["temperature"] == 0.7 and p["top_k"] == 20 for _, ps in engine.calls for p in ps)
-    for per_set in run["seeds"]:
-        chat = [ids for batch, _ in engine.calls[:2] for ids in batch]
-        want = [counts(AnsweringEngine.answer(ids)["meta_info"]) for ids in chat]
-        assert per_set["chat"]["drafts"] == sum(c["drafts"] for c in want)
-        assert per_set["chat"]["accepted"] == sum(c["accepted"] for c in want)
+    # the second turn carries that conversation's own sampled answer
+    (first_a, _), ((second_a,), _) = engine.calls[0][0], engine.calls[1]
+    assert f"echo {len(first_a)}" in qwen3_tokenizer.decode(second_a)
+    for per_set in run["seeds"]:  # every seed decodes the same prompts, so the same counts
+        for name, calls in (("chat", engine.calls[:2]), ("code", engine.calls[2:3])):
+            want = [counts(AnsweringEngine.answer(ids)["meta_info"])
+                    for batch, _ in calls for ids in batch]  # fmt: skip
+            assert per_set[name]["drafts"] == sum(c["drafts"] for c in want)
+            assert per_set[name]["accepted"] == sum(c["accepted"] for c in want)
         assert per_set["chat"]["tokens"] == 3 * 4 and per_set["code"]["tokens"] == 4
+
+
+class FakeMetric:
+    def __init__(self, name, value=0, values=()):
+        self.name, self.value, self.values = name, value, list(values)
+
+
+def test_vllms_adapter_reads_its_cumulative_counters_and_maps_the_sampling(
+    qwen3_tokenizer, monkeypatch
+):
+    """`VllmEngine` over an object answering as vLLM 0.24's `LLM` does (generate, get_metrics)
+    and stand-ins for the two vLLM classes it builds: each prompt's counts are the change of
+    vLLM's counters over it, and the common sampling maps to vLLM's terms (top_k -1 for every
+    token, the seed per request)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from dflash.eval.vllm_serve import ACCEPTED, DRAFTS, PER_POSITION, VllmEngine
+
+    vllm, inputs = ModuleType("vllm"), ModuleType("vllm.inputs")
+    vllm.SamplingParams = lambda **kw: kw
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+    class CountingLLM:
+        def __init__(self):
+            self.drafts = self.accepted = 0
+            self.params: list[dict] = []
+            self.prompts: list[list[int]] = []
+
+        def generate(self, prompts, params, use_tqdm=True):
+            assert use_tqdm is False and len(prompts) == len(params)
+            self.params += params
+            self.prompts += prompts
+            outs = []
+            for ids in prompts:
+                self.drafts += len(ids) % 5 + 1
+                self.accepted += len(ids) % 3
+                out = SimpleNamespace(token_ids=(11, EOS), text=f"echo {len(ids)}")
+                outs.append(SimpleNamespace(outputs=[out]))
+            return outs
+
+        def get_metrics(self):
+            return [FakeMetric(DRAFTS, self.drafts), FakeMetric(ACCEPTED, self.accepted),
+                    FakeMetric(PER_POSITION, values=[self.accepted, 0])]  # fmt: skip
+
+    llm = CountingLLM()
+    spec = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seeds": 1}
+    out = decode(VllmEngine(llm), qwen3_tokenizer, request_of(PROMPTS, sampling=[spec]))
+    for row in out["prompts"]:
+        ids = row["prompt_ids"]
+        assert (row["drafts"], row["accepted"]) == (len(ids) % 5 + 1, len(ids) % 3)
+        assert row["tokens"] == [11, EOS]
+    sampled, greedy = llm.params[:4], llm.params[4]
+    assert [p["seed"] for p in sampled] == [0, 1, WAVE_STRIDE, 2]
+    assert all(p["top_k"] == -1 and p["temperature"] == 1.0 for p in sampled)
+    assert greedy == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16,
+                      "stop_token_ids": [EOS], "seed": None}  # fmt: skip
+    # the chat set's waves: its two first turns, then a's second turn
+    chat, asked = out["sampled"][0]["seeds"][0]["chat"], llm.prompts[:3]
+    assert chat["tokens"] == 3 * 2
+    assert chat["drafts"] == sum(len(ids) % 5 + 1 for ids in asked)

@@ -93,7 +93,8 @@ class SglangEngine:
         for out in outs:
             request = counts(out["meta_info"])
             self.total = add(self.total, request)
-            extra = {k: v for k, v in request.items() if k not in self.total}
+            # its own per-position list (as long as its histogram), not the running total's
+            extra = {k: v for k, v in request.items() if k not in ("drafts", "accepted")}
             answers.append(Answer(list(out["output_ids"]), out["text"], extra))
         return answers
 
