@@ -18,6 +18,8 @@ def test_the_serve_commands_name_the_drafter_and_the_blocks_tokens():
     assert words[words.index("--speculative-draft-model-path") + 1] == "results/drafter"
     assert words[words.index("--speculative-num-draft-tokens") + 1] == "16"
     assert "--speculative-algorithm" in words and "DFLASH" in words
+    # SGLang 0.5.17 loads the drafter's class natively (run so on an H100, 2026-12-07)
+    assert "--trust-remote-code" not in words
 
 
 def test_the_opening_says_where_the_drafter_is_and_warns_only_when_degenerate():

@@ -26,7 +26,7 @@ def serve_commands(target: str, drafter: str, block_size: int) -> list[str]:
         f"python -m sglang.launch_server --model-path {shlex.quote(target)}"
         " --speculative-algorithm DFLASH"
         f" --speculative-draft-model-path {shlex.quote(drafter)}"
-        f" --speculative-num-draft-tokens {block_size} --trust-remote-code",
+        f" --speculative-num-draft-tokens {block_size}",  # its DFLASH worker loads ours natively
     ]
 
 
