@@ -11,6 +11,7 @@ sums them itself, so both read alike here.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,26 +52,22 @@ def zero_counts() -> dict:
     return {"drafts": 0, "accepted": 0, "per_position": []}
 
 
-def _padded(values: list[int], width: int) -> list[int]:
-    return values + [0] * (width - len(values))
+def _combined(a: dict, b: dict, sign: int) -> dict:
+    """a + sign * b, count by count (per-position lists padded with zeros to the longer)."""
+    pairs = itertools.zip_longest(a["per_position"], b["per_position"], fillvalue=0)
+    return {"drafts": a["drafts"] + sign * b["drafts"],
+            "accepted": a["accepted"] + sign * b["accepted"],
+            "per_position": [x + sign * y for x, y in pairs]}  # fmt: skip
 
 
 def add(total: dict, counts: dict) -> dict:
-    """`total` plus one request's counts (per-position lists padded to the longer)."""
-    width = max(len(total["per_position"]), len(counts["per_position"]))
-    per_position = [a + b for a, b in zip(_padded(total["per_position"], width),
-                                          _padded(counts["per_position"], width), strict=True)]  # fmt: skip
-    return {"drafts": total["drafts"] + counts["drafts"],
-            "accepted": total["accepted"] + counts["accepted"], "per_position": per_position}  # fmt: skip
+    """`total` plus one request's counts."""
+    return _combined(total, counts, 1)
 
 
 def difference(after: dict, before: dict) -> dict:
     """The counters' change over one request (or one set's requests)."""
-    width = max(len(after["per_position"]), len(before["per_position"]))
-    per_position = [a - b for a, b in zip(_padded(after["per_position"], width),
-                                          _padded(before["per_position"], width), strict=True)]  # fmt: skip
-    return {"drafts": after["drafts"] - before["drafts"],
-            "accepted": after["accepted"] - before["accepted"], "per_position": per_position}  # fmt: skip
+    return _combined(after, before, -1)
 
 
 def decode(engine: Engine, tokenizer, request: dict) -> dict:
