@@ -212,3 +212,52 @@ def test_vllms_acceptance_at_temperature_is_pooled_over_sets_and_seeds_beside_ou
     assert greedy["sets"]["a"]["diff_pct_pooled"] == round(100 * (1.6 - 1.5) / 1.5, 2)
     assert greedy["vllm_pooled"] == 1.3333 and greedy["diff_pct_pooled"] == 2.56
     assert drawn["sets"]["a"]["vllm_pooled"] == 2.0 and drawn["sets"]["b"]["ours_pooled"] is None
+
+
+def test_at_temperature_only_one_engine_per_draft_rule_serves_and_the_summary_says_so(
+    monkeypatch, tmp_path
+):
+    """eval.vllm.greedy: false: no target-alone engine and no greedy pass, each draft rule's
+    engine serves eval.sampling's temperatures only, beside eval/sampling.json; without a
+    temperature the stage refuses, naming the keys."""
+    from dflash.config import validate
+    from dflash.eval import vllm_stage
+
+    config = validate({"eval": {"vllm": {"greedy": False}, "sampling": {
+        "temperatures": [1.0], "seeds": 1, "draft_rules": ["greedy", "probabilistic"]}}})  # fmt: skip
+    specs = [{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seeds": 1}]
+    request = {"dtype": "bfloat16", "max_new_tokens": 8, "prompts": [], "sampling_prompts": []}
+    monkeypatch.setattr(vllm_stage, "vllm_installed", lambda: True)
+    monkeypatch.setattr(  # the run's prompts and target: eval_vllm's own tests read a real run
+        vllm_stage, "base_request",
+        lambda args, config: (dict(request), specs if config["eval"]["sampling"]["temperatures"] else []),
+    )  # fmt: skip
+    asked = []
+
+    def serve(req, folder, name):
+        asked.append((name, req))
+        accepted = 6 if req.get("draft_sample_method") == "probabilistic" else 3
+        seed = {"a": {"drafts": 10, "accepted": accepted}}
+        run = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "seeds": [seed]}
+        return {"vllm": "0.24.0", "startup_s": 50.0, "sampled": [run]}
+
+    monkeypatch.setattr(vllm_stage, "_serve", serve)
+    ours = tmp_path / "sampling.json"
+    ours.write_text(json.dumps({"runs": [{"temperature": 1.0, "methods": {
+        "drafter": {"overall": {"tau_pooled": 1.25}, "sets": {"a": {"tau_pooled": 1.25}}}}}]}))  # fmt: skip
+    out = tmp_path / "vllm.json"
+    args = SimpleNamespace(config=config, acceptance=None, sampling=ours, output=out)
+    vllm_stage.run(args)
+    assert [name for name, _ in asked] == ["target with the drafter", vllm_stage.PROBABILISTIC]
+    assert not any("drafter" in req and req["drafter"] is None for _, req in asked)  # no alone
+    assert all(req["prompts_alone"] is False and req["sampling"] == specs for _, req in asked)
+    record = json.loads(out.read_text())
+    assert record["greedy"] is False and "acceptance_length" not in record
+    greedy, drawn = record["sampled"]
+    assert greedy["vllm_pooled"] == 1.3 and greedy["ours_pooled"] == 1.25
+    assert drawn["vllm_pooled"] == 1.6 and drawn["ours_pooled"] is None
+    text = summary_section(record)
+    assert "at temperature only" in text and "1.3 pooled against ours 1.25 (+4.0 %)" in text
+    config["eval"]["sampling"]["temperatures"] = []
+    with pytest.raises(UserError, match="eval.sampling.temperatures is empty"):
+        vllm_stage.run(args)

@@ -10,6 +10,10 @@ def _pct(x) -> str:
 
 def summary_section(record: dict, engine: str, label: str, how: str) -> str:
     """`label` names the engine in prose ("vLLM"), `how` says how its acceptance length was read."""
+    if "acceptance_length" not in record:  # served at temperature only (eval.vllm.greedy false)
+        lines = [f"**Served by {label} {record[engine]}** (`eval/{engine}.json`) at temperature "
+                 "only, beside eval_sampling's figures: no greedy pass, no target alone."]  # fmt: skip
+        return "\n".join(lines + sampled_lines(record, engine, label)) + "\n"
     a, speed = record["acceptance_length"], record["tokens_per_s"]
     walked = record.get(f"on_{engine}_text")  # absent from records before the walk
     lines = [
@@ -60,6 +64,12 @@ def summary_section(record: dict, engine: str, label: str, how: str) -> str:
             f"was judged on other tokens. {label}'s target alone decoded our target's text on "
             f"{same['target_alone_same']} of {same['of']} prompts.",
         ]
+    return "\n".join(lines + sampled_lines(record, engine, label)) + "\n"
+
+
+def sampled_lines(record: dict, engine: str, label: str) -> list[str]:
+    """A paragraph per temperature and draft rule the engine served."""
+    lines = []
     for run in record.get("sampled", []):
         lines += [
             "",
@@ -75,4 +85,4 @@ def summary_section(record: dict, engine: str, label: str, how: str) -> str:
             + "."
             + (f" {run['caveat']}" if run.get("caveat") else ""),
         ]
-    return "\n".join(lines) + "\n"
+    return lines

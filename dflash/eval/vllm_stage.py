@@ -75,15 +75,21 @@ def run(args) -> None:
         "gpu_memory_utilization": settings["gpu_memory_utilization"],
     }
     rules = [r for r in config["eval"]["sampling"]["draft_rules"] if specs]
+    if not settings["greedy"]:
+        if not specs:
+            raise UserError(
+                "eval.vllm.greedy: false serves eval.sampling's temperatures only, and "
+                "eval.sampling.temperatures is empty: set one, or eval.vllm.greedy: true"
+            )
+        write_json(args.output, sampled_only(request, specs, rules, args))
+        return
     with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
         alone = _serve({**request, "drafter": None}, Path(tmp), "target alone")
         # the greedy draft rule's engine also gives the sampled figures of that rule
         greedy = specs if "greedy" in rules else []
         served = _serve({**request, "sampling": greedy}, Path(tmp), "target with the drafter")
         if "probabilistic" in rules:  # an engine of its own: the rule is the engine's setting
-            probabilistic = {**request, "sampling": specs, "prompts_alone": False,
-                             "draft_sample_method": "probabilistic"}  # fmt: skip
-            drawn = _serve(probabilistic, Path(tmp), "drafter with probabilistic drafts")
+            drawn = _serve(probabilistic(request, specs), Path(tmp), PROBABILISTIC)
     acceptance = read_json(args.acceptance)
     walked = walk_served(args, config, served["prompts"])
     record = compare(served, alone, acceptance, set(request["eos_ids"]), walked)
@@ -97,6 +103,43 @@ def run(args) -> None:
     record["dtype"], record["max_new_tokens"] = request["dtype"], request["max_new_tokens"]
     write_json(args.output, record)
     log_result(record, ENGINE, "vLLM")
+
+
+PROBABILISTIC = "drafter with probabilistic drafts"
+
+
+def probabilistic(request: dict, specs: list[dict]) -> dict:
+    """The request of the engine that draws its drafts from the drafter: sampled figures only
+    (the draft rule is an engine setting, so it cannot share the greedy rule's engine)."""
+    return {**request, "sampling": specs, "prompts_alone": False,
+            "draft_sample_method": "probabilistic"}  # fmt: skip
+
+
+def sampled_only(request: dict, specs: list[dict], rules: list[str], args) -> dict:
+    """eval.vllm.greedy: false: each draft rule's engine at eval.sampling's temperatures alone,
+    beside eval_sampling's figures; no target-alone engine, no greedy pass."""
+    served, startup = {}, {}
+    with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
+        if "greedy" in rules:
+            only = {**request, "sampling": specs, "prompts_alone": False}
+            out = _serve(only, Path(tmp), "target with the drafter")
+            served["greedy"], startup["greedy"] = out["sampled"], out["startup_s"]
+        if "probabilistic" in rules:
+            out = _serve(probabilistic(request, specs), Path(tmp), PROBABILISTIC)
+            served["probabilistic"], startup["probabilistic"] = out["sampled"], out["startup_s"]
+    record = {
+        ENGINE: out[ENGINE],
+        "greedy": False,
+        "startup_s": startup,
+        "sampled": compare_sampled(served, read_json(args.sampling) if args.sampling else None),
+        "dtype": request["dtype"],
+        "max_new_tokens": request["max_new_tokens"],
+    }
+    for run in record["sampled"]:
+        log.info("vLLM at T=%s, %s drafts: %s pooled, ours %s (%s %%)", run["temperature"],
+                 run["draft_rule"], run[f"{ENGINE}_pooled"], run["ours_pooled"],
+                 run["diff_pct_pooled"])  # fmt: skip
+    return record
 
 
 def summary_section(record: dict) -> str:
