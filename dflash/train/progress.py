@@ -43,7 +43,8 @@ class QueuedStep:
 
 
 def describe(record: dict) -> str:
-    """A step's record in a few words: loss, tau, tau_sim, lr, tokens/s, queue depth."""
+    """A step's record in a few words: loss, tau, tau_sim, lr, tokens/s (launch-bound when the
+    GPU waited for the host's launches), queue depth."""
     queue = record.get("queue_depth")
     depth = f" queue {statistics.fmean(queue.values()):.1f}" if queue else ""
     sim = f" tau_sim {record['tau_sim']:.3f}" if "tau_sim" in record else ""
@@ -52,9 +53,10 @@ def describe(record: dict) -> str:
     for key, value in record.items():  # at temperature: tau_sim_T=1 ...
         if key.startswith("tau_sim_T="):
             sim += f" {key.removeprefix('tau_sim_')} {value:.3f}"
+    bound = " launch-bound" if record.get("launch_bound") else ""
     return (
         f"loss {record['loss']:.4f} tau {record['tau']:.3f}{sim} lr {record['lr']:.2e} "
-        f"{record['tokens_per_s']:.0f} tok/s{depth}"
+        f"{record['tokens_per_s']:.0f} tok/s{bound}{depth}"
     )
 
 

@@ -52,6 +52,11 @@ class Window:
     around queued work would measure only the queueing). `seal()` ends the window's wall time
     when the step is queued; the next window starts where this one's accounting ended, so the
     windows tile the run and tokens / wall_s is the throughput actually reached.
+
+    `launch_bound` (CUDA only): whether, when the step was queued, the device had already run
+    all of its work but the optimizer's. A device that keeps up with the host's launches waits
+    for them (the step is launch-bound: a faster host CPU, CUDA graphs or larger batches raise
+    the rate, a faster GPU does not); one with a backlog is still busy with the step then.
     """
 
     def __init__(self, device: torch.device, start: float | None = None):
@@ -61,6 +66,7 @@ class Window:
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.tokens = 0
         self.wall_s: float | None = None
+        self.launch_bound: bool | None = None
         self.links = defaultdict(
             lambda: {"tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "depth": []}
         )
@@ -87,24 +93,30 @@ class Window:
         entry["depth"].append(stats["queue_depth"])
 
     def seal(self) -> None:
-        """The step is queued: its wall time ends here."""
+        """The step is queued: its wall time ends here, and whether the device waited for it."""
         self.wall_s = time.perf_counter() - self.start
+        before_optimizer = [end for name, _, end in self.events if name != "optimizer"]
+        if before_optimizer:  # Event.query does not wait
+            self.launch_bound = all(end.query() for end in before_optimizer)
 
     def close(self) -> dict:
         """The window's numbers; waits for the device to finish the window's work."""
         if self.wall_s is None:
-            self.seal()
+            self.wall_s = time.perf_counter() - self.start
         for name, begin, end in self.events:
             end.synchronize()
             self.time[name] += begin.elapsed_time(end) / 1000
         self.events.clear()
-        return {
+        window = {
             "tokens": self.tokens,
             "wall_s": self.wall_s,
             "time_s": dict(self.time),
             "peak_memory_gb": round(peak_memory_gb(self.device), 3),
             "links": {src: dict(v) for src, v in self.links.items()},
         }
+        if self.launch_bound is not None:
+            window["launch_bound"] = self.launch_bound
+        return window
 
 
 def _rate(tokens: float, seconds: float) -> float:
@@ -133,6 +145,8 @@ def step_record(windows: list[dict], topology, metrics: list[dict]) -> dict:
             for w in windows
         ],
     }
+    if all("launch_bound" in w for w in windows):  # every drafter's device waited on its host
+        record["launch_bound"] = all(w["launch_bound"] for w in windows)
     if not topology.colocated:
         targets, queue = {}, {}
         for d, w in enumerate(windows):
@@ -188,13 +202,14 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
         },
         "host": summarize_host([r.get("host") for r in steady]),
     }
+    launch = launch_bound_note(steady, summary)
     if topology["targets"] == 0:
         t = summary["time_split"]
         share = t["features"] / max(sum(t.values()), 1e-9)
         summary["bottleneck"] = "colocated"
         summary["verdict"] = (
             f"colocated: target features take {share:.0%} of each drafter's time; "
-            "a separate target rank would overlap them with training"
+            "a separate target rank would overlap them with training" + launch
         )
         return summary
     t_tokens = defaultdict(float)
@@ -230,10 +245,26 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
             f"({fast} {max(drafter_capacity, target_capacity):.0f} vs "
             f"{slow} {min(drafter_capacity, target_capacity):.0f} tokens/s); targets blocked on "
             f"a full queue {blocked_fraction:.0%} of their time, drafters waiting for features "
-            f"{summary['drafter_wait_fraction']:.0%}"
+            f"{summary['drafter_wait_fraction']:.0%}" + launch
         ),
     }
     return summary
+
+
+def launch_bound_note(steady: list[dict], summary: dict) -> str:
+    """Sets the share of steady steps whose drafters' devices waited for their hosts' launches
+    (CUDA runs), and returns the verdict's words for it when it is most of them."""
+    flags = [r["launch_bound"] for r in steady if "launch_bound" in r]
+    if not flags:
+        return ""
+    share = summary["launch_bound_fraction"] = round(statistics.fmean(flags), 4)
+    if share < 0.5:
+        return ""
+    return (
+        f"; launch-bound in {share:.0%} of steps (the GPU had run the step's forward and "
+        "backward before the host had queued its optimizer): the host CPU sets the rate, so "
+        "a faster host or a larger data.token_budget raises it, a faster GPU does not"
+    )
 
 
 @contextlib.contextmanager
