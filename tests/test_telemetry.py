@@ -22,7 +22,10 @@ def window(launch_bound: bool | None) -> dict:
         "peak_memory_gb": 1.0,
         "links": {},
     }
-    return w if launch_bound is None else w | {"launch_bound": launch_bound}
+    if launch_bound is None:
+        return w
+    host = dict.fromkeys(PHASES, 0.0) | {"forward": 0.0019, "backward": 0.0004}
+    return w | {"launch_bound": launch_bound, "host_s": host}
 
 
 def record(*flags) -> dict:
@@ -39,6 +42,10 @@ def test_a_step_is_launch_bound_when_every_drafters_device_waited_and_the_verdic
     bound = summarize([first] + [record(True)] * 3 + [record(False)], topology, 2)
     assert bound["launch_bound_fraction"] == 0.75
     assert "launch-bound in 75% of steps" in bound["verdict"]
+    # the host's time in each phase beside the GPU's: the forward was paced by the host
+    assert bound["host_share"] == {"features": 0.0, "forward": 0.95, "backward": 0.2,
+                                   "optimizer": 0.0}  # fmt: skip
+    assert "paced by the host: forward (host 95% of its GPU time)" in bound["verdict"]
     busy = summarize([first] + [record(False)] * 3 + [record(True)], topology, 2)
     assert busy["launch_bound_fraction"] == 0.25 and "launch-bound" not in busy["verdict"]
     cpu = summarize([record(None)] * 3, topology, 2)
@@ -63,7 +70,9 @@ def test_many_tiny_kernels_are_launch_bound_and_a_few_large_ones_are_not():
         with w.phase("optimizer"):
             torch.ones(8, device=device).add_(1)
         w.seal()
-        return w.close()["launch_bound"]
+        window = w.close()
+        assert window["host_s"]["forward"] > 0 and window["host_s"]["wait"] == 0
+        return window["launch_bound"]
 
     tiny = torch.ones(8, device=device)
     big = torch.randn(8192, 8192, device=device)

@@ -57,6 +57,9 @@ class Window:
     all of its work but the optimizer's. A device that keeps up with the host's launches waits
     for them (the step is launch-bound: a faster host CPU, CUDA graphs or larger batches raise
     the rate, a faster GPU does not); one with a backlog is still busy with the step then.
+    `host_s` (CUDA only): the host's seconds inside each phase, queueing its kernels or waiting
+    on the device within it. Beside the phase's device span (`time_s`), a share near 1 says the
+    GPU's time in that phase was paced by the host; well below 1, the GPU was the bound.
     """
 
     def __init__(self, device: torch.device, start: float | None = None):
@@ -64,6 +67,7 @@ class Window:
         self.start = time.perf_counter() if start is None else start
         self.time = dict.fromkeys(PHASES, 0.0)
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.host = dict.fromkeys(PHASES, 0.0)
         self.tokens = 0
         self.wall_s: float | None = None
         self.launch_bound: bool | None = None
@@ -80,9 +84,11 @@ class Window:
             self.time[name] += time.perf_counter() - started
             return
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started = time.perf_counter()
         begin.record()
         yield
         end.record()
+        self.host[name] += time.perf_counter() - started
         self.events.append((name, begin, end))
 
     def link(self, src: int, stats: dict) -> None:
@@ -116,6 +122,7 @@ class Window:
         }
         if self.launch_bound is not None:
             window["launch_bound"] = self.launch_bound
+            window["host_s"] = dict(self.host)
         return window
 
 
@@ -147,6 +154,9 @@ def step_record(windows: list[dict], topology, metrics: list[dict]) -> dict:
     }
     if all("launch_bound" in w for w in windows):  # every drafter's device waited on its host
         record["launch_bound"] = all(w["launch_bound"] for w in windows)
+        record["host_s"] = {
+            p: round(statistics.fmean(w["host_s"][p] for w in windows), 4) for p in PHASES
+        }
     if not topology.colocated:
         targets, queue = {}, {}
         for d, w in enumerate(windows):
@@ -254,17 +264,30 @@ def summarize(records: list[dict], topology: dict, queue_depth: int) -> dict:
 def launch_bound_note(steady: list[dict], summary: dict) -> str:
     """Sets the share of steady steps whose drafters' devices waited for their hosts' launches
     (CUDA runs), and returns the verdict's words for it when it is most of them."""
-    flags = [r["launch_bound"] for r in steady if "launch_bound" in r]
-    if not flags:
+    timed = [r for r in steady if "launch_bound" in r]
+    if not timed:
         return ""
-    share = summary["launch_bound_fraction"] = round(statistics.fmean(flags), 4)
-    if share < 0.5:
-        return ""
-    return (
-        f"; launch-bound in {share:.0%} of steps (the GPU had run the step's forward and "
-        "backward before the host had queued its optimizer): the host CPU sets the rate, so "
-        "a faster host or a larger data.token_budget raises it, a faster GPU does not"
+    share = summary["launch_bound_fraction"] = round(
+        statistics.fmean(r["launch_bound"] for r in timed), 4
     )
+    host = {p: statistics.fmean(r["host_s"][p] for r in timed) for p in PHASES}
+    device = summary["time_split"]
+    summary["host_share"] = {  # `wait` is the host's own clock, not a span of queued work
+        p: round(host[p] / device[p], 3) for p in PHASES if p != "wait" and device[p] > 0
+    }
+    paced = [p for p, v in summary["host_share"].items() if v >= 0.9]
+    words = ""
+    if share >= 0.5:
+        words += (
+            f"; launch-bound in {share:.0%} of steps (the GPU had run the step's forward and "
+            "backward before the host had queued its optimizer): the host CPU sets the rate, so "
+            "a faster host or a larger data.token_budget raises it, a faster GPU does not"
+        )
+    if paced:
+        words += "; paced by the host: " + ", ".join(
+            f"{p} (host {summary['host_share'][p]:.0%} of its GPU time)" for p in paced
+        )
+    return words
 
 
 @contextlib.contextmanager
