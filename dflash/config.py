@@ -142,7 +142,8 @@ def check_levers(config: dict, source: str = "config") -> dict:
     """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
     together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
     an init to fine-tune, more frozen layers than the drafter has, several answers a prompt
-    without sampling, Muon on a torch without it."""
+    without sampling, Muon on a torch without it; and vLLM asked for temperatures only where
+    there are none."""
     d, t = config.get("drafter") or {}, config.get("train") or {}
     wrong = []
     if d.get("loss") == "dpace":
@@ -183,6 +184,14 @@ def check_levers(config: dict, source: str = "config") -> dict:
             f"train.optimizer: muon needs torch.optim.Muon (torch 2.9 or later); this environment "
             f"has torch {found[0]}.{found[1]}"
         )
+    e = config.get("eval") or {}
+    vllm, sampling = e.get("vllm") or {}, e.get("sampling") or {}
+    if vllm.get("enabled", "auto") is not False and vllm.get("greedy") is False:
+        if not sampling.get("temperatures"):
+            wrong.append(
+                "eval.vllm.greedy: false serves eval.sampling's temperatures only, and "
+                "eval.sampling.temperatures is empty: set one, or eval.vllm.greedy: true"
+            )
     if wrong:
         raise ConfigError(f"{source}: {'; '.join(wrong)}")
     return config

@@ -191,6 +191,8 @@ def train_summary(summary: dict, metrics: list[dict]) -> dict:
             "target_blocked_fraction",
             "mean_queue_depth",
             "time_split",
+            "launch_bound_fraction",
+            "host_share",
             "bottleneck",
             "verdict",
             "host",
@@ -250,10 +252,18 @@ def eval_summary(
             for run in sampling["runs"]
         }
     for engine, served in (("vllm", vllm), ("sglang", sglang)):
-        if served:  # eval_vllm or eval_sglang ran: the engine's acceptance length and speedups
-            summary["quality"][engine] = {"version": served[engine], **served["acceptance_length"]}
+        if not served:
+            continue
+        quality = summary["quality"][engine] = {"version": served[engine]}
+        if "acceptance_length" in served:  # not served at temperature only (eval.vllm.greedy)
+            quality |= served["acceptance_length"]
             summary["speed"][f"{engine}_speedup"] = {
                 c: s["speedup"] for c, s in served["tokens_per_s"].items()
+            }
+        if served.get("sampled"):  # at each temperature and draft rule, pooled, beside ours
+            quality["sampled_pooled"] = {
+                f"T={run['temperature']} {run['draft_rule']}": run[f"{engine}_pooled"]
+                for run in served["sampled"]
             }
     return summary
 

@@ -45,7 +45,11 @@ def test_a_step_is_launch_bound_when_every_drafters_device_waited_and_the_verdic
     # the host's time in each phase beside the GPU's: the forward was paced by the host
     assert bound["host_share"] == {"features": 0.0, "forward": 0.95, "backward": 0.2,
                                    "optimizer": 0.0}  # fmt: skip
-    assert "paced by the host: forward (host 95% of its GPU time)" in bound["verdict"]
+    assert "forward (host 95% of its GPU time)" in bound["verdict"]
+    # a resumed run's older lines (no host time) do not dilute the share
+    older = {**record(None), "time_s": dict.fromkeys(PHASES, 0.01)}
+    resumed = summarize([first, older, older] + [record(True)] * 2, topology, 2)
+    assert resumed["host_share"]["forward"] == 0.95
     busy = summarize([first] + [record(False)] * 3 + [record(True)], topology, 2)
     assert busy["launch_bound_fraction"] == 0.25 and "launch-bound" not in busy["verdict"]
     cpu = summarize([record(None)] * 3, topology, 2)

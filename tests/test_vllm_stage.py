@@ -220,7 +220,7 @@ def test_at_temperature_only_one_engine_per_draft_rule_serves_and_the_summary_sa
     """eval.vllm.greedy: false: no target-alone engine and no greedy pass, each draft rule's
     engine serves eval.sampling's temperatures only, beside eval/sampling.json; without a
     temperature the stage refuses, naming the keys."""
-    from dflash.config import validate
+    from dflash.config import ConfigError, check_levers, validate
     from dflash.eval import vllm_stage
 
     config = validate({"eval": {"vllm": {"greedy": False}, "sampling": {
@@ -258,6 +258,18 @@ def test_at_temperature_only_one_engine_per_draft_rule_serves_and_the_summary_sa
     assert drawn["vllm_pooled"] == 1.6 and drawn["ours_pooled"] is None
     text = summary_section(record)
     assert "at temperature only" in text and "1.3 pooled against ours 1.25 (+4.0 %)" in text
+    # the run record (and so `dflash compare`) reads it without greedy figures
+    acceptance = {"tau_macro": 1.5, "tau_pooled": 1.4, "baselines": {}, "tokens_per_s": 1,
+                  "speedup": 1, "teacher_forced_tau": None, "lossless": True, "n_prompts": 1}  # fmt: skip
+    summary = eval_summary(acceptance, {"results": [], "lossless": True}, vllm=record)
+    assert summary["quality"]["vllm"] == {
+        "version": "0.24.0", "sampled_pooled": {"T=1.0 greedy": 1.3, "T=1.0 probabilistic": 1.6}
+    }  # fmt: skip
+    assert "vllm_speedup" not in summary["speed"]
     config["eval"]["sampling"]["temperatures"] = []
     with pytest.raises(UserError, match="eval.sampling.temperatures is empty"):
         vllm_stage.run(args)
+    # and before any job, where the workflow checks its config (dflash.preflight)
+    with pytest.raises(ConfigError, match="eval.sampling.temperatures is empty"):
+        check_levers(validate({"eval": {"vllm": {"greedy": False}}}))
+    check_levers(validate({"eval": {"vllm": {"greedy": False, "enabled": False}}}))

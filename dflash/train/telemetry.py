@@ -58,8 +58,13 @@ class Window:
     for them (the step is launch-bound: a faster host CPU, CUDA graphs or larger batches raise
     the rate, a faster GPU does not); one with a backlog is still busy with the step then.
     `host_s` (CUDA only): the host's seconds inside each phase, queueing its kernels or waiting
-    on the device within it. Beside the phase's device span (`time_s`), a share near 1 says the
-    GPU's time in that phase was paced by the host; well below 1, the GPU was the bound.
+    on the device within it. Beside the phase's device span (`time_s`), a share well below 1
+    says the GPU was the bound there; near 1, the phase's span followed the host, which queued
+    slowly (launch-bound), synced inside it, or was held by a full launch queue (a GPU-bound
+    phase far behind). The flag and the share are one sample and one mean: evidence to read
+    beside each other, not a profile. Misread by the flag: a step after a full sync (tau_sim, a
+    checkpoint) starts with an empty queue, and a host that is slow early in a step only (a
+    forward of tiny kernels before a heavy backward) is not seen.
     """
 
     def __init__(self, device: torch.device, start: float | None = None):
@@ -270,8 +275,9 @@ def launch_bound_note(steady: list[dict], summary: dict) -> str:
     share = summary["launch_bound_fraction"] = round(
         statistics.fmean(r["launch_bound"] for r in timed), 4
     )
+    # both means over the same steps (a resumed run's older lines carry no host time)
     host = {p: statistics.fmean(r["host_s"][p] for r in timed) for p in PHASES}
-    device = summary["time_split"]
+    device = {p: statistics.fmean(r["time_s"][p] for r in timed) for p in PHASES}
     summary["host_share"] = {  # `wait` is the host's own clock, not a span of queued work
         p: round(host[p] / device[p], 3) for p in PHASES if p != "wait" and device[p] > 0
     }
@@ -284,7 +290,7 @@ def launch_bound_note(steady: list[dict], summary: dict) -> str:
             "a faster host or a larger data.token_budget raises it, a faster GPU does not"
         )
     if paced:
-        words += "; paced by the host: " + ", ".join(
+        words += "; paced by the host (slow launches or a sync inside): " + ", ".join(
             f"{p} (host {summary['host_share'][p]:.0%} of its GPU time)" for p in paced
         )
     return words
