@@ -138,6 +138,13 @@ def _torch_version() -> tuple[int, int] | None:
         return None
 
 
+# eval_vllm refuses it too, when run by hand on a config whose eval.vllm.enabled is false
+TEMPERATURES_ONLY_WITHOUT_ONE = (
+    "eval.vllm.greedy: false serves eval.sampling's temperatures only, and "
+    "eval.sampling.temperatures is empty: set one, or eval.vllm.greedy: true"
+)
+
+
 def check_levers(config: dict, source: str = "config") -> dict:
     """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
     together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
@@ -186,12 +193,12 @@ def check_levers(config: dict, source: str = "config") -> dict:
         )
     e = config.get("eval") or {}
     vllm, sampling = e.get("vllm") or {}, e.get("sampling") or {}
-    if vllm.get("enabled", "auto") is not False and vllm.get("greedy") is False:
-        if not sampling.get("temperatures"):
-            wrong.append(
-                "eval.vllm.greedy: false serves eval.sampling's temperatures only, and "
-                "eval.sampling.temperatures is empty: set one, or eval.vllm.greedy: true"
-            )
+    if (
+        vllm.get("enabled", "auto") is not False
+        and vllm.get("greedy") is False
+        and not sampling.get("temperatures")
+    ):
+        wrong.append(TEMPERATURES_ONLY_WITHOUT_ONE)
     if wrong:
         raise ConfigError(f"{source}: {'; '.join(wrong)}")
     return config

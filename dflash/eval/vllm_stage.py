@@ -21,6 +21,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from dflash.config import TEMPERATURES_ONLY_WITHOUT_ONE
 from dflash.errors import UserError
 from dflash.eval import served as shared
 from dflash.eval.served import (
@@ -77,10 +78,7 @@ def run(args) -> None:
     rules = [r for r in config["eval"]["sampling"]["draft_rules"] if specs]
     if not settings["greedy"]:
         if not specs:
-            raise UserError(
-                "eval.vllm.greedy: false serves eval.sampling's temperatures only, and "
-                "eval.sampling.temperatures is empty: set one, or eval.vllm.greedy: true"
-            )
+            raise UserError(TEMPERATURES_ONLY_WITHOUT_ONE)
         write_json(args.output, sampled_only(request, specs, rules, args))
         return
     with tempfile.TemporaryDirectory(prefix="eval-vllm-") as tmp:
