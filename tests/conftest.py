@@ -32,6 +32,37 @@ XDIST = "PYTEST_XDIST_WORKER" in os.environ
 CORES = 1 if XDIST else 2
 if XDIST:
     os.environ["OMP_NUM_THREADS"] = "1"
+# Commands start from a fork server (dflash/forkserver.py) that has imported torch, transformers
+# and the stages once, one server per tree of dflash: most of CI's CPU was each process's imports.
+# The tiny run's own stages start cold, as users' do (Workflow(served=False)).
+FORK_SERVERS: dict[str, str] = {}
+
+
+def fork_server(pythonpath: str | None = None) -> str:
+    """The address of a fork server for commands of this environment with `pythonpath` (the
+    session's own where None), started at first use."""
+    key = pythonpath or ""
+    if key not in FORK_SERVERS:
+        from dflash import forkserver
+
+        env = {k: v for k, v in os.environ.items() if k != forkserver.ENV}
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
+        base = Path(tempfile.gettempdir()) / f"dflash-fork-{os.getpid()}-{len(FORK_SERVERS)}"
+        forkserver.start(f"{base}.sock", f"{base}.log", env=env)
+        FORK_SERVERS[key] = f"{base}.sock"
+    return FORK_SERVERS[key]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def commands_start_forked():
+    """Every `python -m dflash` of the session's environment starts from the session's server."""
+    from dflash.forkserver import ENV
+
+    os.environ[ENV] = fork_server()
+    yield
+
+
 READ_THE_WHOLE_RUN = {"test_custody", "test_record", "test_vllm_stage", "test_workflow"}
 WHOLE_RUN_GROUP = "the-whole-tiny-run"
 
@@ -121,12 +152,14 @@ def jobs_in(dry_run_stdout: str) -> dict[str, int]:
 
 
 class Workflow:
-    def __init__(self, repo: Path, workdir: Path):
-        self.repo, self.workdir = repo, workdir
+    def __init__(self, repo: Path, workdir: Path, served: bool = True):
+        self.repo, self.workdir, self.served = repo, workdir, served
 
     def env(self) -> dict:
-        # The copy's package shadows the installed (editable) one for Snakemake and every rule.
-        return {**os.environ, "PYTHONPATH": str(self.repo)}
+        # The copy's package shadows the installed (editable) one for Snakemake and every rule,
+        # whose commands start from a server of that copy (none: cold, as users' start)
+        server = fork_server(str(self.repo)) if self.served else ""
+        return {**os.environ, "PYTHONPATH": str(self.repo), "DFLASH_FORK_SERVER": server}
 
     def run(
         self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores: int = CORES
@@ -198,7 +231,7 @@ def tiny_workflow(tmp_path_factory) -> Workflow:
     workdir.mkdir()
     shutil.copy(TESTS / "data" / "tiny.yaml", workdir / "tiny.yaml")
     shutil.copy(TESTS / "data" / "local.jsonl", workdir / "local.jsonl")
-    flow = Workflow(repo, workdir)
+    flow = Workflow(repo, workdir, served=False)  # every stage once from a fresh process
     flow.run("stats")
     return flow
 
