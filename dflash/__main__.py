@@ -1,7 +1,7 @@
 import os
 
-if os.environ.get("DFLASH_FORK_SERVER"):  # the tests' fork server (dflash/forkserver.py)
-    from dflash.forkserver import forward
+if os.environ.get("DFLASH_FORK_SERVER"):  # the tests' fork server (dflash/forkserver/)
+    from dflash.forkserver.client import forward
 
     forward(os.environ["DFLASH_FORK_SERVER"])  # returns only where it did not run the command
 

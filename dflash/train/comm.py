@@ -112,6 +112,11 @@ def die_with_parent() -> None:
     """
     if sys.platform != "linux":
         return
+    from dflash import forkserver
+
+    if forkserver.served():  # the tests' fork server is this process's parent, not torchrun
+        forkserver.client_dies_with_parent(signal.SIGKILL)  # its client is torchrun's child
+        return
     parent = os.getppid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the agent died before prctl took effect
