@@ -25,4 +25,4 @@ yaml.safe_dump(with_overrides(yaml.safe_load(open(sys.argv[1])), sys.argv[3:]), 
   setsid nohup bash tools/gpu-box/stages.sh "$D/config.yaml" "$D" regenerate tokenize train eval \
     sampling > "$D/logs/stages.log" 2>&1 < /dev/null &
 done
-sleep 5; tail -3 results/pair/*/logs/stages.log
+sleep 5; tail -n 3 results/pair/*/logs/stages.log
