@@ -383,7 +383,8 @@ def test_compare_reads_a_results_folder_without_a_record(run_a, run_b):
         b = load_run(run_b.results)
         assert "no MANIFEST.json" in b["_name"]
         assert b["environment"]["torch"] and "dflash/train/loop.py" in b["code"]["files"]
-        assert compare(load_run(run_a.results), b)["causes"] == []
+        a = load_run(run_a.results)
+        assert compare(a, same_host(a, b))["causes"] == []  # what else the machine did: not this
     finally:
         manifest.with_suffix(".bak").rename(manifest)
 
