@@ -12,7 +12,10 @@ rows drawn per source are the same rows). In bf16 a method can part from the tar
 at a near tie, and the two runs' τ of that prompt are then measured on different text: `--same`
 keeps only the prompts both runs decoded as the target did (the count left is printed). Each
 prompt counts once: a question's two MT-Bench turns are not independent, so the error is a
-lower bound there. No GPU needed: it reads JSON.
+lower bound there. Where both folders also hold `eval/sampling.json` (evaluation at temperature),
+each temperature's methods are paired the same way, a prompt's τ the mean over its seeds (the
+seeds are the same streams in both runs). A folder may be given as the JSON file itself
+(`acceptance.json` or `sampling.json`, as kept under bench/results/). No GPU needed: it reads JSON.
 """
 
 from __future__ import annotations
@@ -32,12 +35,19 @@ def group(set_name: str, prompt_id: str) -> str:
     return set_name
 
 
+def record_path(results: Path, name: str) -> Path:
+    """`eval/NAME` of a results folder, or the file itself where one was given."""
+    return results if results.is_file() else results / "eval" / name
+
+
 def prompts(results: Path, method: str) -> dict:
     """{prompt id: (group, τ, decoded the target's text)} of one method in one run."""
-    path = results / "eval/acceptance.json"
+    path = record_path(results, "acceptance.json")
     if not path.exists():
         sys.exit(f"{path}: no such file (a finished run's results folder?)")
-    record = json.loads(path.read_text())["per_prompt"]
+    record = json.loads(path.read_text()).get("per_prompt")
+    if record is None or "methods" not in record:
+        return {}
     m = record["methods"].get(method)
     if m is None:
         return {}
@@ -48,6 +58,25 @@ def prompts(results: Path, method: str) -> dict:
         )
         if tau is not None
     }
+
+
+def sampled_prompts(results: Path) -> dict:
+    """{(temperature label, method): {prompt id: (group, τ mean over seeds, True)}}."""
+    path = record_path(results, "sampling.json")
+    if not path.exists():
+        return {}
+    out = {}
+    for run in json.loads(path.read_text()).get("runs", []):
+        record = run["per_prompt"]
+        for method, taus in record.items():
+            if method in ("ids", "sets"):
+                continue
+            out[run["label"], method] = {
+                pid: (group(s, pid), statistics.fmean(seeds), True)
+                for pid, s, seeds in zip(record["ids"], record["sets"], taus, strict=True)
+                if seeds
+            }
+    return out
 
 
 def paired(a: dict, b: dict, same: bool = False) -> dict:
@@ -104,6 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         if rows:
             record[method] = rows
             print(table(method, rows, names), end="\n\n")
+    sampled_a, sampled_b = sampled_prompts(args.a), sampled_prompts(args.b)
+    for key in sorted(sampled_a.keys() & sampled_b.keys()):
+        rows = paired(sampled_a[key], sampled_b[key])
+        if rows:
+            label = f"{key[1]} at {key[0]}"
+            record[label] = rows
+            print(table(label, rows, names), end="\n\n")
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
 

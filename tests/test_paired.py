@@ -58,3 +58,23 @@ def test_same_keeps_the_prompts_both_runs_decoded_as_the_target_and_ids_pair_wha
     # h1: 3 -> 4, h3: 4 -> 2; h2 left out (run a did not decode the target's text there)
     assert rows["held_out"]["n"] == 2 and rows["held_out"]["diff"] == -0.5
     assert rows["all"]["n"] == 4
+
+
+def test_runs_at_temperature_are_paired_by_prompt_over_the_mean_of_their_seeds(tmp_path, capsys):
+    def sampled(name: str, seeds: list[list[float]]) -> Path:
+        per_prompt = {"ids": IDS[:3], "sets": SETS[:3], "drafter": seeds}
+        runs = [{"label": "T=1", "temperature": 1.0, "per_prompt": per_prompt}]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"runs": runs}))
+        return path
+
+    a = sampled("greedy-data", [[1.0, 1.2], [1.4, 1.4], [1.0, 1.0]])
+    b = sampled("sampled-data", [[1.3, 1.5], [1.2, 1.2], [1.2, 1.4]])
+    paired.main([str(a), str(b), "--json", str(tmp_path / "p.json")])
+    rows = json.loads((tmp_path / "p.json").read_text())["drafter at T=1"]
+    # per prompt, the mean over seeds: 1.1 -> 1.4, 1.4 -> 1.2, 1.0 -> 1.3
+    assert rows["held_out"]["n"] == 3 and rows["held_out"]["diff"] == pytest.approx(
+        0.1333, abs=1e-4
+    )
+    assert (rows["held_out"]["wins"], rows["held_out"]["losses"]) == (2, 1)
+    assert "drafter at T=1: sampled-data.json - greedy-data.json" in capsys.readouterr().out
