@@ -63,10 +63,14 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _prctl_pdeathsig(signum: int) -> None:
+def die_with_parent(signum: int, parent: int | None = None) -> bool:
+    """prctl(PR_SET_PDEATHSIG): this process gets `signum` when its parent dies. False where
+    `parent` (its parent's pid, read before the call) is gone already: it died before prctl took
+    effect, and no signal will come. Linux only."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    return parent is None or os.getppid() == parent
 
 
 _CLIENT: socket.socket | None = (

@@ -13,8 +13,8 @@ from dflash.forkserver import (
     FORWARDED,
     _interpreter,
     _package_dir,
-    _prctl_pdeathsig,
     _signal,
+    die_with_parent,
 )
 
 
@@ -54,7 +54,7 @@ def forward(address: str) -> None:
                 for signum in pending:  # those that came before the child did
                     _signal(child, signum)
             elif kind == "PDEATHSIG":  # the command asked to die with its parent: so does this
-                _prctl_pdeathsig(int(value))
+                die_with_parent(int(value))
                 if os.getppid() != parent:
                     os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "EXIT":

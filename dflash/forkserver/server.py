@@ -186,17 +186,17 @@ def _accept(listener, snapshot: Snapshot, main, selector) -> None:
             _child(conn, fds, request, main)  # never returns
         finally:
             os._exit(70)  # never back into the server's loop (nor its `finally`: the socket)
-    for fd in fds:
-        os.close(fd)
+    _close(fds)  # the child's now; the connection stays, for the wait status
     pidfd = os.pidfd_open(pid)
     selector.register(pidfd, selectors.EVENT_READ, (pid, conn))
     log(f"forked {' '.join(request['argv'][1:2])} as pid {pid}")
 
 
-def _close(fds, conn) -> None:
+def _close(fds: list[int], conn: socket.socket | None = None) -> None:
     for fd in fds:
         os.close(fd)
-    conn.close()
+    if conn is not None:
+        conn.close()
 
 
 def log(line: str) -> None:
