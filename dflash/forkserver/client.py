@@ -54,8 +54,7 @@ def forward(address: str) -> None:
                 for signum in pending:  # those that came before the child did
                     _signal(child, signum)
             elif kind == "PDEATHSIG":  # the command asked to die with its parent: so does this
-                die_with_parent(int(value))
-                if os.getppid() != parent:
+                if not die_with_parent(int(value), parent):
                     os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "EXIT":
                 exited = int(value)
