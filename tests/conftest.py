@@ -39,7 +39,8 @@ if XDIST:
     os.environ["VECLIB_MAXIMUM_THREADS"] = "1"
 # Commands start from a fork server (dflash/forkserver/) that has imported torch, transformers
 # and the stages once, one server per tree of dflash: most of CI's CPU was each process's imports.
-# The second full run's stages start cold, as users' do (Workflow(served=False)).
+# Snakemake starts from it too (its imports and plugin discovery: 3-4 s a start, about a hundred
+# starts). The second full run's stages start cold, as users' do (Workflow(served=False)).
 FORK_SERVERS: dict[str, str] = {}
 
 
@@ -171,15 +172,24 @@ class Workflow:
         server = fork_server(str(self.repo)) if self.served and not dry_run else ""
         return {**os.environ, "PYTHONPATH": str(self.repo), "DFLASH_FORK_SERVER": server}
 
+    def snakemake_server(self, dry_run: bool) -> str:
+        """Where Snakemake itself starts from: the tree's server where it has one or this run
+        needs one (a cold run's stages start cold, but its Snakemake need not), else nowhere."""
+        if str(self.repo) in FORK_SERVERS or (self.served and not dry_run):
+            return fork_server(str(self.repo))
+        return ""
+
     def run(
         self, *args: str, config: str | None = "tiny.yaml", check: bool = True, cores: int = CORES
     ):
         # --configfile takes several values, so it goes last, after the targets (None: no
         # --configfile, the embedded default)
+        dry = "-n" in args or "--dry-run" in args
         cmd = [
             sys.executable,
             "-m",
-            "snakemake",
+            "dflash.forkserver.snakemake_cli",  # `snakemake`, forked from the tree's server
+            self.snakemake_server(dry),
             "--snakefile",
             str(self.repo / "workflow" / "Snakefile"),
             "--cores",
@@ -187,7 +197,6 @@ class Workflow:
             *args,
             *(["--configfile", config] if config else []),
         ]
-        dry = "-n" in args or "--dry-run" in args
         done = subprocess.run(
             cmd, capture_output=True, text=True, env=self.env(dry), cwd=self.workdir
         )

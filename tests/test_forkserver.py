@@ -223,3 +223,26 @@ def test_a_signal_the_caller_ignores_stays_ignored_and_python_u_stays_unbuffered
     done = subprocess.run([sys.executable, "-u", "-m", "dflash", "unflushed"], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.stdout.endswith("written\n")  # as torchrun's `python -u` worker writes it
+
+
+def test_snakemake_forked_from_the_server_answers_and_exits_as_a_fresh_one(server, tmp_path):
+    """The tests' Snakemake starts from the server too (dflash/forkserver/snakemake_cli.py)."""
+    _, env, log = server
+    address = env[forkserver.ENV]
+    missing = ["--snakefile", str(tmp_path / "Snakefile"), "-n"]
+    for args in (["--version"], missing):
+        served, cold = (
+            subprocess.run(
+                [sys.executable, "-m", *start, *args],
+                env=env,
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )  # fmt: skip
+            for start in (["dflash.forkserver.snakemake_cli", address], ["snakemake"])
+        )
+        assert served.returncode == cold.returncode, (served.stderr, cold.stderr)
+        assert served.stdout == cold.stdout
+    assert cold.returncode == 1 and "not found" in served.stdout
+    assert "forked --version" in log.read_text() and "forked --snakefile" in log.read_text()

@@ -8,6 +8,10 @@ It forwards the signals it gets and exits as the child exits, by the same signal
 died of one. A child whose client dies (SIGKILL included) kills itself at once, so killing the
 command kills its work, as with a fresh process.
 
+`python -m dflash.forkserver.snakemake_cli SOCKET ARGS` does the same for `snakemake ARGS`.
+Children share the server's string-hash seed, so sets of strings iterate alike in all of them
+(the tests' second full run starts its stages cold, where an order that leaks into a file shows).
+
 The server declines, and the client then runs the command itself, wherever the child could differ
 from a fresh process: another Python or dflash tree, an environment variable that a library reads
 at import time (`IMPORT_TIME_ENV`) set otherwise than in the server, or a dflash source changed
@@ -45,6 +49,7 @@ USE_TIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 MAX_REQUEST = 1 << 20
+SNAKEMAKE = "snakemake.cli:main"  # the other command a server runs (snakemake_cli.py)
 
 
 def _package_dir() -> str:
@@ -63,10 +68,14 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _prctl_pdeathsig(signum: int) -> None:
+def die_with_parent(signum: int, parent: int | None = None) -> bool:
+    """prctl(PR_SET_PDEATHSIG): this process gets `signum` when its parent dies. False where
+    `parent` (its parent's pid, read before the call) is gone already: it died before prctl took
+    effect, and no signal will come. Linux only."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    return parent is None or os.getppid() == parent
 
 
 _CLIENT: socket.socket | None = (

@@ -13,15 +13,15 @@ from dflash.forkserver import (
     FORWARDED,
     _interpreter,
     _package_dir,
-    _prctl_pdeathsig,
     _signal,
+    die_with_parent,
 )
 
 
-def forward(address: str) -> None:
-    """Run this command in a child of the server at `address`; exit as it exits. Returns only
-    where no child was forked (no server there, or it declined): the caller then runs the command
-    itself."""
+def forward(address: str, entry: str | None = None) -> None:
+    """Run this command in a child of the server at `address` (`entry` the function it calls,
+    None: the server's own, dflash's CLI); exit as it exits. Returns only where no child was
+    forked (no server there, or it declined): the caller then runs the command itself."""
     mask = os.umask(0o022)
     os.umask(mask)
     ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]  # e.g. nohup, `&`
@@ -30,6 +30,7 @@ def forward(address: str) -> None:
         "executable": sys.executable, "package": _package_dir(), "umask": mask,
         "ignored": [int(s) for s in ignored], "interpreter": _interpreter(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # python -u (torchrun)
+        "entry": entry,
     }  # fmt: skip
     parent, child, pending = os.getppid(), None, []
 
@@ -54,8 +55,7 @@ def forward(address: str) -> None:
                 for signum in pending:  # those that came before the child did
                     _signal(child, signum)
             elif kind == "PDEATHSIG":  # the command asked to die with its parent: so does this
-                _prctl_pdeathsig(int(value))
-                if os.getppid() != parent:
+                if not die_with_parent(int(value), parent):
                     os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "EXIT":
                 exited = int(value)

@@ -40,6 +40,24 @@ def preload() -> None:
         importlib.import_module(stage.run.split(":")[0])
 
 
+def preload_snakemake() -> bool:
+    """Import Snakemake, its scheduler, store and plugins (argument parsing discovers them all:
+    the SLURM plugin alone imports pandas), and what the workflow's rules import from dflash.
+    False where Snakemake is not installed: its requests are then declined."""
+    import importlib
+
+    try:
+        from snakemake.cli import get_argument_parser
+    except ImportError:
+        return False
+    get_argument_parser()
+    for name in ("snakemake.api", "snakemake.dag", "snakemake.persistence",
+                 "snakemake.scheduling.job_scheduler", "dflash.preflight", "dflash.custody",
+                 "dflash.record", "dflash.eval.report", "dflash.manifest", "dflash.model.start"):  # fmt: skip
+        importlib.import_module(name)
+    return True
+
+
 class Snapshot:
     """What the server's imports depend on, to decline a request that would differ."""
 
@@ -114,8 +132,9 @@ def serve(address: str, entry: str = "dflash.cli:main") -> None:
 
     env_before = dict(os.environ)
     preload()
-    module_name, func_name = entry.split(":")
-    main = getattr(__import__(module_name, fromlist=[func_name]), func_name)
+    entries = {None: _function(entry)}  # a request names no entry: the server's own
+    if preload_snakemake():
+        entries[forkserver.SNAKEMAKE] = _function(forkserver.SNAKEMAKE)
     snapshot = Snapshot(env_before)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     tmp = f"{address}.{os.getpid()}"
@@ -130,7 +149,7 @@ def serve(address: str, entry: str = "dflash.cli:main") -> None:
         while True:
             for key, _ in selector.select():
                 if key.fileobj is listener:
-                    _accept(listener, snapshot, main, selector)
+                    _accept(listener, snapshot, entries, selector)
                 else:  # a child's pidfd: it ended
                     pid, conn = key.data
                     selector.unregister(key.fileobj)
@@ -145,7 +164,12 @@ def serve(address: str, entry: str = "dflash.cli:main") -> None:
         with_suppressed_unlink(address)
 
 
-def _accept(listener, snapshot: Snapshot, main, selector) -> None:
+def _function(entry: str):
+    module_name, func_name = entry.split(":")
+    return getattr(__import__(module_name, fromlist=[func_name]), func_name)
+
+
+def _accept(listener, snapshot: Snapshot, entries: dict, selector) -> None:
     import selectors
 
     conn, _ = listener.accept()
@@ -156,6 +180,8 @@ def _accept(listener, snapshot: Snapshot, main, selector) -> None:
         conn.settimeout(None)
         request = json.loads(message)
         reason = snapshot.differs(request)
+        if request.get("entry") not in entries:
+            reason = f"no {request['entry']} here"
     except (OSError, ValueError, KeyError, TypeError) as e:
         log(f"bad request: {e!r}")
         _close(fds, conn)
@@ -183,20 +209,20 @@ def _accept(listener, snapshot: Snapshot, main, selector) -> None:
             selector.close()
             listener.close()
             request["env"] = snapshot.exported | request["env"]
-            _child(conn, fds, request, main)  # never returns
+            _child(conn, fds, request, entries[request.get("entry")])  # never returns
         finally:
             os._exit(70)  # never back into the server's loop (nor its `finally`: the socket)
-    for fd in fds:
-        os.close(fd)
+    _close(fds)  # the child's now; the connection stays, for the wait status
     pidfd = os.pidfd_open(pid)
     selector.register(pidfd, selectors.EVENT_READ, (pid, conn))
     log(f"forked {' '.join(request['argv'][1:2])} as pid {pid}")
 
 
-def _close(fds, conn) -> None:
+def _close(fds: list[int], conn: socket.socket | None = None) -> None:
     for fd in fds:
         os.close(fd)
-    conn.close()
+    if conn is not None:
+        conn.close()
 
 
 def log(line: str) -> None:

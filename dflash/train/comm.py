@@ -21,7 +21,6 @@ backstop for collectives, and NCCL's watchdog) is the startup one.
 from __future__ import annotations
 
 import collections
-import ctypes
 import datetime
 import logging
 import os
@@ -117,9 +116,7 @@ def die_with_parent() -> None:
     if forkserver.served():  # the tests' fork server is this process's parent, not torchrun
         forkserver.client_dies_with_parent(signal.SIGKILL)  # its client is torchrun's child
         return
-    parent = os.getppid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the agent died before prctl took effect
+    if not forkserver.die_with_parent(signal.SIGKILL, os.getppid()):
         os._exit(1)
 
 
