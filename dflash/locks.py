@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash import forkserver
 from dflash.io import read_json, write_json
 
 LOCKS = Path(".snakemake") / "locks"
@@ -30,7 +31,8 @@ def record_run(workdir: str | os.PathLike = ".") -> None:
     write_json(
         _record(Path(workdir)),
         {
-            "pid": os.getpid(),
+            # what started the run (a served Snakemake's client, whose command line names it)
+            "pid": forkserver.caller_pid(),
             "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "command": " ".join(sys.argv),

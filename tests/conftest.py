@@ -174,8 +174,10 @@ class Workflow:
 
     def snakemake_server(self, dry_run: bool) -> str:
         """Where Snakemake itself starts from: the tree's server where it has one or this run
-        needs one (a cold run's stages start cold, but its Snakemake need not), else nowhere."""
-        if str(self.repo) in FORK_SERVERS or (self.served and not dry_run):
+        needs one, else nowhere. A cold run's Snakemake starts cold too: forked, it would share
+        the first run's string-hash seed, and an order of a set that leaks into the rules'
+        params or files would come out alike in both runs."""
+        if self.served and (str(self.repo) in FORK_SERVERS or not dry_run):
             return fork_server(str(self.repo))
         return ""
 

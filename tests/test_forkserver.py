@@ -46,6 +46,8 @@ def entry(argv: list[str]) -> int:
         die_with_parent()
         print(os.getpid(), flush=True)
         time.sleep(600)
+    if argv[0] == "caller":  # the pid a served command gives as its own (dflash/locks.py's)
+        print(forkserver.caller_pid(), flush=True)
     if argv[0] == "unflushed":
         sys.stdout.write("written\n")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -246,3 +248,12 @@ def test_snakemake_forked_from_the_server_answers_and_exits_as_a_fresh_one(serve
         assert served.stdout == cold.stdout
     assert cold.returncode == 1 and "not found" in served.stdout
     assert "forked --version" in log.read_text() and "forked --snakefile" in log.read_text()
+
+
+def test_a_served_command_names_its_client_as_the_process_its_caller_started(server):
+    """A run's lock record names this pid, whose command line must be the caller's command."""
+    _, env, _ = server
+    run = client(env, "caller", stdout=subprocess.PIPE)
+    out, _ = run.communicate(timeout=60)
+    served, caller = out.splitlines()
+    assert int(served.split()[1]) != run.pid and int(caller) == run.pid

@@ -10,7 +10,8 @@ command kills its work, as with a fresh process.
 
 `python -m dflash.forkserver.snakemake_cli SOCKET ARGS` does the same for `snakemake ARGS`.
 Children share the server's string-hash seed, so sets of strings iterate alike in all of them
-(the tests' second full run starts its stages cold, where an order that leaks into a file shows).
+(the tests' second full run starts Snakemake and its stages cold, so an order that leaks into a
+file shows).
 
 The server declines, and the client then runs the command itself, wherever the child could differ
 from a fresh process: another Python or dflash tree, an environment variable that a library reads
@@ -81,6 +82,15 @@ def die_with_parent(signum: int, parent: int | None = None) -> bool:
 _CLIENT: socket.socket | None = (
     None  # a served child's connection to its client (server.py sets it)
 )
+
+
+_CLIENT_PID: int | None = None  # that client's pid
+
+
+def caller_pid() -> int:
+    """The process the caller started and waits on: this one, or a served command's client (the
+    forked child's own pid and command line are the server's business)."""
+    return os.getpid() if _CLIENT_PID is None else _CLIENT_PID
 
 
 def served() -> bool:

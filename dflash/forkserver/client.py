@@ -30,7 +30,7 @@ def forward(address: str, entry: str | None = None) -> None:
         "executable": sys.executable, "package": _package_dir(), "umask": mask,
         "ignored": [int(s) for s in ignored], "interpreter": _interpreter(),
         "unbuffered": bool(getattr(sys.stdout, "write_through", False)),  # python -u (torchrun)
-        "entry": entry,
+        "entry": entry, "pid": os.getpid(),
     }  # fmt: skip
     parent, child, pending = os.getppid(), None, []
 

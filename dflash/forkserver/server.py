@@ -272,7 +272,7 @@ def _child(conn: socket.socket, fds: list[int], request: dict, main) -> None:
         conn.recv(1)  # the client never writes: this returns when its end closes
         os.kill(os.getpid(), signal.SIGKILL)
 
-    forkserver._CLIENT = conn
+    forkserver._CLIENT, forkserver._CLIENT_PID = conn, request["pid"]
     conn.sendall(f"OK {os.getpid()}".encode())
     threading.Thread(target=orphaned, daemon=True).start()
     code, interrupted = 0, False

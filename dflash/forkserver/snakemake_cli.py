@@ -18,7 +18,9 @@ sys.argv = [
     *args,
 ]
 if address:
+    sys.path.append(".snakemake/pip-deployments")  # for the child: importing snakemake adds it
     forward(address, entry=SNAKEMAKE)  # returns only where it did not run the command
+    sys.path.pop()  # declined: the import below adds it
 
 from snakemake.cli import main  # noqa: E402
 
