@@ -2,6 +2,8 @@
 peak memory at Qwen3-8B drafter shapes (random init), chunked vs full-logits CE.
 
     python bench/drafter_step.py [--anchors 512] [--seq 2048] [--out results.json]
+    python bench/drafter_step.py --shape recipe --batch 8 --anchors 96 --no-correctness \
+        --configs flex:chunked:compiled,flex:chunked:cudagraphs   # the recipe's, CUDA graphs
 
 FLOPs are useful work only: context K/V projections, block tokens through all layers, attention
 over the keys each query may see, the frozen LM head on block tokens; backward = 2x forward for
@@ -49,6 +51,30 @@ def qwen3_8b_drafter(layers=5, block=16):
         rope_theta=1e6,
         max_position_embeddings=40960,
     )
+
+
+def recipe_drafter(layers=5, block=16):
+    """config/h200.yaml's drafter over SmolLM2-135M: the small shapes whose step waits on the host
+    (issue 58), where CUDA graphs (`:cudagraphs`) may pay."""
+    return DrafterConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        block_size=block,
+        num_target_layers=30,
+        target_layer_ids=[1, 8, 15, 22, 28],
+        mask_token_id=3,
+        rms_norm_eps=1e-5,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+    )
+
+
+SHAPES = {"8b": qwen3_8b_drafter, "recipe": recipe_drafter}
 
 
 def inputs(cfg, b, s, anchors, device, seed=0):
@@ -127,22 +153,29 @@ def useful_flops(cfg, s, n_blocks_valid, anchors_mean):
     return 3 * trained + 2 * head
 
 
-def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False):
-    cfg = qwen3_8b_drafter()
+def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False, shape="8b", b=1):
+    """`compile_model`: False, True (torch.compile) or "cudagraphs" (mode reduce-overhead: the
+    drafter's forward and backward replayed as CUDA graphs, a launch each)."""
+    cfg = SHAPES[shape]()
     torch.manual_seed(0)
     model = Drafter(cfg).to(device, torch.bfloat16)
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=torch.bfloat16) * 0.02
-    ids, lm, a, v, blocks, feats = inputs(cfg, 1, s, anchors, device)
+    ids, lm, a, v, blocks, feats = inputs(cfg, b, s, anchors, device)
     feats = feats.to(torch.bfloat16)
     x = head[blocks.ids]
     q, kv = blocks.ids.shape[1], s + blocks.ids.shape[1]
-    pos = torch.arange(s, device=device)[None]
-    fwd = torch.compile(model) if compile_model else model
+    pos = torch.arange(s, device=device)[None].expand(b, s)
+    fwd = model
+    if compile_model:
+        mode = "reduce-overhead" if compile_model == "cudagraphs" else None
+        fwd = torch.compile(model, mode=mode)
     labels, weights = blocks.labels.view(-1), blocks.weights.view(-1)
 
     def step():
+        if compile_model == "cudagraphs":
+            torch.compiler.cudagraph_mark_step_begin()
         mod = dflash_mask_mod(a, v, s, cfg.block_size)
-        attend = attend_for(backend, mod, 1, q, kv, device)
+        attend = attend_for(backend, mod, b, q, kv, device)
         hid = fwd(x, feats, blocks.positions, pos, attend).view(-1, cfg.hidden_size)
         if ce == "chunked":
             total, _ = chunked_lm_loss(hid, head, labels, weights, chunk_tokens=2048)
@@ -155,16 +188,20 @@ def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False):
     step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    step()
+    for _ in range(3):  # cudagraph trees record on the second and third calls
+        step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
+    walls = []
     for _ in range(steps):
+        w0 = time.perf_counter()
         start.record()
         step()
         end.record()
         torch.cuda.synchronize()
+        walls.append(time.perf_counter() - w0)
         times.append(start.elapsed_time(end) / 1e3)
     t = sorted(times)[len(times) // 2]
     anchors_mean = a[v].float().mean().item()
@@ -173,6 +210,9 @@ def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False):
         "backend": backend,
         "ce": ce,
         "compiled_model": compile_model,
+        "shape": shape,
+        "batch": b,
+        "wall_s": round(sorted(walls)[len(walls) // 2], 4),  # host included: launch-bound shows
         "anchors": anchors,
         "seq": s,
         "step_s": round(t, 4),
@@ -190,19 +230,25 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--out", default="drafter_step.json")
     p.add_argument("--configs", default="flex:chunked,sdpa:chunked,flex:full,flex:chunked:compiled")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-correctness", action="store_true")
     args = p.parse_args()
     device = torch.device("cuda")
     report = {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(),
-        "correctness": correctness(device),
+        "correctness": None if args.no_correctness else correctness(device),
         "steps": [],
     }
     print(json.dumps(report["correctness"], indent=1), flush=True)
     for spec in args.configs.split(","):
         backend, ce, *rest = spec.split(":")
         try:
-            r = step_bench(device, backend, ce, args.anchors, args.seq, compile_model=bool(rest))
+            compile_model = (rest[0] if rest[0] == "cudagraphs" else True) if rest else False
+            r = step_bench(device, backend, ce, args.anchors, args.seq, args.steps, compile_model,
+                           args.shape, args.batch)  # fmt: skip
         except torch.OutOfMemoryError as e:
             r = {"backend": backend, "ce": ce, "error": f"OOM: {str(e)[:120]}"}
         torch.cuda.empty_cache()
@@ -219,6 +265,7 @@ def main():
             continue
         print(
             f"{r['backend']:8} {r['ce']:8} {str(r['compiled_model']):5} {r['step_s']:8.4f} "
+            f"wall {r['wall_s']:8.4f} "
             f"{r['tflops']:8.1f} {r['mfu']:6.3f} {r['peak_gb']:8.2f}"
         )
 
