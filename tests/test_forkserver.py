@@ -18,6 +18,7 @@ import pytest
 
 from dflash import forkserver
 from dflash.forkserver import server as forkserver_side
+from dflash.io import sha256_file
 
 TESTS = Path(__file__).resolve().parent
 
@@ -151,7 +152,7 @@ def test_a_source_changed_since_the_import_is_never_served(tmp_path):
     assert snapshot.differs(request) is None
     source = tmp_path / "module.py"
     source.write_text("x = 1\n")
-    snapshot.sources[str(source)] = (forkserver_side._stat(source), forkserver_side._sha256(source))
+    snapshot.sources[str(source)] = (forkserver_side._stat(source), sha256_file(source))
     mtime = source.stat().st_mtime_ns
     source.write_text("x = 2\n")
     os.utime(source, ns=(mtime, mtime))  # the edit's mtime put back: the ctime still moved

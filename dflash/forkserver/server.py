@@ -20,6 +20,7 @@ from dflash.forkserver import (
     _package_dir,
     with_suppressed_unlink,
 )
+from dflash.io import sha256_file
 
 
 def preload() -> None:
@@ -72,7 +73,7 @@ class Snapshot:
         for module in list(sys.modules.values()):
             path = getattr(module, "__file__", None) or ""
             if module.__name__.split(".")[0] == "dflash" and path.endswith(".py"):
-                self.sources[path] = (_stat(path), _sha256(path))
+                self.sources[path] = (_stat(path), sha256_file(path))
 
     @staticmethod
     def import_time(key: str) -> bool:
@@ -97,7 +98,7 @@ class Snapshot:
         for path, (stat, digest) in self.sources.items():
             try:
                 if _stat(path) != stat:
-                    if _sha256(path) != digest:
+                    if sha256_file(path) != digest:
                         return f"{path} changed since the server imported it"
                     self.sources[path] = (_stat(path), digest)
             except OSError:
@@ -108,13 +109,6 @@ class Snapshot:
 def _stat(path: str) -> tuple:
     st = os.stat(path)  # ctime: an edit whose mtime was put back is still seen
     return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
-
-
-def _sha256(path: str) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _tmpdir(env: dict) -> str:
