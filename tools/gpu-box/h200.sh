@@ -17,6 +17,9 @@
 #                       tools/gpu-box/stages.sh in the background, as `start` runs Snakemake;
 #                       several config files are merged as --configfile merges them ($DRAFTER: a
 #                       trained drafter to evaluate, $SPLITS: the splits to regenerate)
+#   beside DIR CONFIGS ACCEPTANCE STAGE...
+#                       a second drafter (DIR) evaluated beside the run `stages` started, on its
+#                       target and rows, in /tmp/beside
 #   vllm                the staged vLLM bundle's parts joined and installed in /tmp/vllm-site,
 #                       last on PYTHONPATH: a run already going finds vLLM from its next job on,
 #                       its other packages kept
@@ -69,6 +72,14 @@ copy_tree() {
     tar xf - -C "$SRC"
   ln -s "$RES" "$SRC/results"
   ln -s "$STATE/.snakemake" "$SRC/.snakemake" && ln -s "$STATE/resources" "$SRC/resources"
+}
+
+merge_configs() {  # OUT CONFIG[,CONFIG...]: merged as Snakemake merges --configfile (a later
+  # file over the earlier ones, lists replaced whole), for tools/gpu-box/stages.sh, which reads one
+  python3 -c 'import sys, yaml; from snakemake.utils import update_config
+config = {}
+for path in sys.argv[2].split(","): update_config(config, yaml.safe_load(open(path)))
+yaml.safe_dump(config, open(sys.argv[1], "w"))' "$1" "$2"
 }
 
 case $1 in
@@ -142,15 +153,30 @@ stages)  # tools/gpu-box/stages.sh CONFIG STAGE... in the background from the tr
   fi
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
   bash "$0" cache
-  # the config files merged as Snakemake merges --configfile (a later one over the earlier ones,
-  # lists replaced whole): the stages read one file
-  python3 -c 'import sys, yaml; from snakemake.utils import update_config
-config = {}
-for path in sys.argv[2].split(","): update_config(config, yaml.safe_load(open(path)))
-yaml.safe_dump(config, open(sys.argv[1], "w"))' "$RUN/config.yaml" "$2"
+  merge_configs "$RUN/config.yaml" "$2"
   echo "start $(date +%s)" >> "$RUN/events"
   setsid nohup bash tools/gpu-box/stages.sh "$RUN/config.yaml" results "${@:3}" > "$RUN/snakemake.log" 2>&1 < /dev/null &
   echo "tools/gpu-box/stages.sh started: $RUN/snakemake.log"
+  ;;
+beside)  # DIR CONFIG[,CONFIG...] ACCEPTANCE STAGE...: a second drafter, carried in DIR as `wait`
+  # brings one back (drafter-config.json, drafter.safetensors.part-*), evaluated beside the run
+  # that `stages` started, on that run's target and expanded rows (waited for), in /tmp/beside:
+  # e.g. the other side of a paired study in the same stay (the steps are launch-bound at the
+  # recipe's shapes, so two processes share the GPU well). ACCEPTANCE: that drafter's own
+  # acceptance.json (sample-eval's greedy τ per prompt). Only the eval split is regenerated
+  # (with CONFIG's data.regenerate: tau_sim off its answers). `wait` waits for it too.
+  B=/tmp/beside A=/tmp/dflash-results
+  rm -rf "$B" && mkdir -p "$B/results/drafter" "$B/results/eval" "$B/results/data/expanded"
+  cat "$2"/drafter.safetensors.part-* > "$B/results/drafter/model.safetensors"
+  cp "$2/drafter-config.json" "$B/results/drafter/config.json"
+  cp "$4" "$B/results/eval/acceptance.json"
+  merge_configs "$B/config.yaml" "$3"
+  for _ in $(seq 60); do [ -e "$A/data/expanded/eval.parquet" ] && break; sleep 5; done
+  cp -r "$A/target" "$B/results/target" && cp "$A/data/expanded/eval.parquet" "$B/results/data/expanded/"
+  cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
+  SPLITS=eval setsid nohup bash tools/gpu-box/stages.sh "$B/config.yaml" "$B/results" "${@:5}" \
+    > "$B/stages.log" 2>&1 < /dev/null &
+  echo "beside: tools/gpu-box/stages.sh started in $B ($(sha256sum < "$B/results/drafter/model.safetensors" | cut -c1-16)...)"
   ;;
 vllm)  # the vLLM bundle carried in parts (tools/gpu-box/vllm-wheels.sh DIR, then `stage` each
   # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
@@ -201,6 +227,11 @@ wait)
       split -b 15000000 results/drafter/model.safetensors "$OUT/drafter.safetensors.part-"
       cp results/drafter/config.json "$OUT/drafter-config.json"
     fi
+  fi
+  if [ -n "${OUT:-}" ] && [ -d /tmp/beside/results/eval ]; then  # `beside`'s results
+    tail -5 /tmp/beside/stages.log
+    (cd /tmp/beside && tar czf "$OUT/beside.tgz" stages.log config.yaml results/eval \
+      results/logs $(ls results/data/*/report.json results/data/tokenized/*.report.json 2>/dev/null))
   fi
   pgrep -f "$RUNNING" > /dev/null && echo "STILL RUNNING" || echo "SNAKEMAKE ENDED"
   ;;
