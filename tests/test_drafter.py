@@ -571,7 +571,7 @@ def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
     """compile.scope layers (the default): dynamo traces two layers however deep the drafter
     (the first, whose input needs no gradient, and one graph every later layer shares), while
     the whole-drafter graph grows with depth; the step's loss and gradients are the eager
-    step's."""
+    step's. So is compile.mode reduce-overhead's (CUDA graphs on a GPU; compiled alike here)."""
     from torch._dynamo.utils import counters
 
     from dflash.model.step import TrainStep
@@ -580,12 +580,13 @@ def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
     feats = torch.randn(2, 24, 3 * 32, generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     captured, grads = {}, {}
-    for scope, layers, compile in [
-        ("layers", 2, True),
-        ("layers", 3, True),
-        ("model", 1, True),
-        ("model", 3, True),
-        ("eager", 3, False),
+    for scope, layers, compile, mode in [
+        ("layers", 2, True, "default"),
+        ("layers", 3, True, "default"),
+        ("model", 1, True, "default"),
+        ("model", 3, True, "default"),
+        ("graphs", 3, True, "reduce-overhead"),
+        ("eager", 3, False, "default"),
     ]:
         torch._dynamo.reset()
         counters.clear()
@@ -594,15 +595,17 @@ def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
         embed = torch.nn.Embedding(50, 32).requires_grad_(False)
         step = TrainStep(
             drafter, embed, embed.weight, max_anchors=4, gamma=None, attention="sdpa",
-            compile=compile, compile_scope=scope,
+            compile=compile, compile_scope="layers" if scope == "graphs" else scope,
+            compile_mode=mode,
         )  # fmt: skip
+        assert step.graphs == (mode == "reduce-overhead")
         metrics = step(feats, ids, mask, torch.Generator().manual_seed(2))
         captured[scope, layers] = counters["stats"]["calls_captured"]
         grads[scope, layers] = (metrics["loss"], [p.grad.clone() for p in drafter.parameters()])
     assert captured["layers", 3] == captured["layers", 2] > 0
     assert captured["model", 3] > captured["model", 1]
     loss, eager = grads["eager", 3]
-    for scope in ("layers", "model"):
+    for scope in ("layers", "model", "graphs"):
         got_loss, got = grads[scope, 3]
         assert got_loss == pytest.approx(loss, rel=1e-5)
         for a, b in zip(got, eager, strict=True):

@@ -325,11 +325,11 @@ class LayerCompiled(nn.Module):
     (bench/gpu.py: 7.0 s against 10.1 s warm, 205 s against 271 s cold, on an 8B target's
     5-layer drafter), at the same step time."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, mode: str = "default"):
         super().__init__()
         self.drafter = drafter
         self.config = drafter.config
-        self.layer_fn = torch.compile(run_layer, dynamic=False)
+        self.layer_fn = torch.compile(run_layer, dynamic=False, mode=mode)
 
     def forward(self, block_embeds, ctx_features, block_positions, ctx_positions, attend):
         return self.drafter(

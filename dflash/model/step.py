@@ -63,6 +63,7 @@ class TrainStep:
         attention,
         compile: bool,
         compile_scope: str = "layers",
+        compile_mode: str = "default",
         wrap=None,
         distill: float = 0.0,
         ce_chunk: int = 1024,
@@ -73,10 +74,13 @@ class TrainStep:
         self.model = drafter
         if compile:  # `compile.scope`: one graph shared by the layers, or the whole drafter
             self.model = (
-                LayerCompiled(drafter)
+                LayerCompiled(drafter, compile_mode)
                 if compile_scope == "layers"
-                else torch.compile(drafter, dynamic=False)
+                else torch.compile(drafter, dynamic=False, mode=compile_mode)
             )
+        # CUDA graphs (`compile.mode: reduce-overhead`) are told where a step begins: a graph's
+        # outputs of the last step may then be overwritten (training reads none of them later)
+        self.graphs = compile and compile_mode == "reduce-overhead"
         if wrap is not None:  # e.g. DDP, around the compiled module the warmup prepared
             self.model = wrap(self.model)
             self.model.config = drafter.config
@@ -96,6 +100,8 @@ class TrainStep:
         """(loss, metrics); metrics as device tensors unless `host` (see `dflash_loss`)."""
         # fp32 master weights; on GPU the step runs in bf16 autocast.
         device = input_ids.device.type
+        if self.graphs and device == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             return dflash_loss(
                 self.model,

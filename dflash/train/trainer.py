@@ -99,6 +99,7 @@ class Trainer:
             attention=resolve_attention("auto", self.device),
             compile=config["compile"]["enabled"],
             compile_scope=config["compile"]["scope"],
+            compile_mode=config["compile"]["mode"],
             wrap=self._ddp if self.ddp else None,
             distill=t["distill"],
             copy_weight=d["copy_anchor_weight"],

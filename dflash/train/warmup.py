@@ -94,6 +94,7 @@ def warm_shapes(target_dir: Path, config: dict, shapes, steps: int = 3) -> list[
         attention=attention,
         compile=ccfg["enabled"],
         compile_scope=ccfg["scope"],
+        compile_mode=ccfg["mode"],
         distill=config["train"]["distill"],
         copy_weight=dcfg["copy_anchor_weight"],
         dpace=dpace_settings(dcfg),
