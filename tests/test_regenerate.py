@@ -113,11 +113,11 @@ def test_generated_ids_are_stored_and_match_the_text(tiny_workflow, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("attention", "overlap", "temperature"),
-    [("sdpa", False, 0.0), ("flex", True, 0.0), ("flex", True, 1.0)],
+    ("attention", "overlap", "temperature", "min_cap"),
+    [("sdpa", False, 0.0, None), ("flex", True, 0.0, 4), ("flex", True, 1.0, None)],
 )
 def test_static_engine_regenerates_what_transformers_generate_does(
-    target_dir, tiny_workflow, attention, overlap, temperature, monkeypatch
+    target_dir, tiny_workflow, attention, overlap, temperature, min_cap, monkeypatch
 ):
     """fp32 greedy: the refilled static batch gives every turn of every conversation the same
     tokens as `generate` on padded batches, with fewer cache rows than conversations (so rows are
@@ -131,9 +131,9 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     same answers, and not the greedy ones."""
     from dflash.data.continuous import regenerate_continuous
     from dflash.data.expand import read_rows
-    from dflash.data.generation import Generator, _prompt_ids, regenerate_batch
+    from dflash.data.generation import Generator, _prompt_ids, answer_cap, regenerate_batch
     from dflash.model.batched import KV_BLOCK, BatchedGreedy
-    from dflash.model.sampling import Sampling
+    from dflash.model.sampling import Sampling, row_key
 
     # Prefill calls of 3 key blocks still pack 3 of these prompts each (flex); the GPU's
     # 8K-token calls cost 55 s of 2 CPU cores here, most of it padding.
@@ -143,7 +143,7 @@ def test_static_engine_regenerates_what_transformers_generate_does(
     assert sum(r["conversations"][-1]["role"] == "assistant" for r in rows) == len(rows)
     assert any(len(r["conversations"]) > 2 for r in rows)  # multi-turn rows are in
     sampling = Sampling(temperature, top_k=20)
-    gen = Generator(target_dir, "float32", "cpu", max_new_tokens=10, sampling=sampling, seed=3)
+    gen = Generator(target_dir, "float32", "cpu", 10, sampling, seed=3, min_cap=min_cap)
     # a bound far above any of these prompts: their full lengths
     full = [_prompt_ids(gen.tokenizer, r["conversations"][:-1], 1 << 20) for r in rows]
     prompt_lengths = sorted(map(len, full))
@@ -151,8 +151,17 @@ def test_static_engine_regenerates_what_transformers_generate_does(
 
     convs, hf_tokens = regenerate_batch(gen, rows, max_prompt)
     expected = {c.row["id"]: c.result() for c in convs}
-    assert sum(c.dropped_turns for c in convs) >= 1
+    # (shorter answers leave later prompts short of max_prompt: a drop then is not sure)
+    assert sum(c.dropped_turns for c in convs) >= (1 if min_cap is None else 0)
     assert any(len(c.turn_ids) > 1 for c in convs)  # a later turn answered after the first
+    cut_short = 0  # data.regenerate.min_cap: each answer stops at its own drawn cap
+    for c in convs:
+        answered = [i for i, t in enumerate(c.row["conversations"]) if t["role"] == "assistant"]
+        for turn, ids in zip(answered, c.turn_ids, strict=False):
+            cap = answer_cap(row_key(3, c.row["id"], turn), 10, min_cap)
+            assert len(ids) <= cap and (turn not in c.truncated or len(ids) == cap)
+            cut_short += turn in c.truncated and cap < 10
+    assert (cut_short > 0) == (min_cap is not None)
 
     got, stats = {}, []
     # sdpa: two caches, the second larger; flex: its default, one engine for every turn

@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 import yaml
@@ -103,6 +104,10 @@ def test_the_rehearsal_config_runs_every_stage_with_a_random_qwen3(tmp_path):
     assert info["mask_token_id"] == 151_669
     stats = json.loads((flow.results / "data" / "stats" / "stats.json").read_text())
     assert stats["rows"] == 6
+    # the random target never ends an answer: each stops at its own drawn cap (min_cap 4..12)
+    answers = pl.read_parquet(flow.results / "data" / "regenerated" / "train.parquet")
+    lengths = [len(ids) for turns in answers["turn_token_ids"] for ids in turns]
+    assert all(4 <= n <= 12 for n in lengths) and len(set(lengths)) > 2
     acceptance = json.loads((flow.results / "eval" / "acceptance.json").read_text())
     assert acceptance["lossless"] == 1.0 and acceptance["n_prompts"] == 2
     # the model config is an input of the target rule: editing it rebuilds the target

@@ -139,14 +139,14 @@ def _drain(
     the device computes. A row that finished at step k gets one more token from step k+1; it is
     dropped, since only rows still holding the turn they held at launch take a step's tokens.
     Each row's tokens are unchanged: its next input is already on the device."""
-    # per cache row: the conversation, its turn's tokens so far, its prompt's length
-    slots: list[tuple[Conversation, list[int], int] | None] = [None] * engine.batch
+    # per cache row: the conversation, its turn's tokens so far, its prompt's length, its cap
+    slots: list[tuple[Conversation, list[int], int, int] | None] = [None] * engine.batch
     freed: list[int] = []  # rows whose turn ended, sent back to 0 (`release`) before any refill
 
     def settle(slot: int) -> None:
-        conv, tokens, _ = slots[slot]
+        conv, tokens, _, cap = slots[slot]
         finished = tokens[-1] in gen.eos_ids
-        if finished or len(tokens) >= gen.max_new_tokens:
+        if finished or len(tokens) >= cap:
             slots[slot] = None
             freed.append(slot)
             end_turn(conv, tokens, finished)
@@ -162,7 +162,7 @@ def _drain(
         stats.steps += 1
         for slot, token in enumerate(tokens):
             if slots[slot] is not None and slots[slot] is owners[slot]:
-                _, row_tokens, prompt = slots[slot]
+                _, row_tokens, prompt, _ = slots[slot]
                 stats.busy_row_steps += 1  # a row whose token counts
                 stats.kv_reads += prompt + len(row_tokens)
                 row_tokens.append(token)
@@ -198,8 +198,8 @@ def _drain(
                 stats.prefill_s += seconds
             stats.prefill_calls += 1
             stats.turns += len(take)
-            for slot, (conv, prompt), token in zip(take, turns, firsts, strict=True):
-                slots[slot] = (conv, [token], len(prompt))
+            for slot, (conv, prompt), token, key in zip(take, turns, firsts, keys, strict=True):
+                slots[slot] = (conv, [token], len(prompt), gen.cap(key))
                 settle(slot)
             release()
             continue

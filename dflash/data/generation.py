@@ -9,6 +9,7 @@ in either engine a row's answers depend on its own prompt and key alone, not on 
 
 from __future__ import annotations
 
+import random
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,6 +55,18 @@ def plan_batches(
     return [[r["id"] for r in order[i : i + batch_size]] for i in range(0, len(order), batch_size)]
 
 
+def answer_cap(key: int, max_new_tokens: int, min_cap: int | None) -> int:
+    """One answer's token cap: `max_new_tokens`, or with `data.regenerate.min_cap` one drawn
+    uniformly from min_cap..max_new_tokens by the answer's stream key (`Conversation.key`), so
+    every engine and every rerun cuts the same answer at the same length. A random-weight
+    target's answers never end: with one cap every row ends at the same step and decoding runs
+    in waves (the 8B rehearsal: 10 waves for 8.2 waves of turns); drawn caps end rows one at a
+    time, as real answers do."""
+    if min_cap is None:
+        return max_new_tokens
+    return random.Random(key).randint(min(min_cap, max_new_tokens), max_new_tokens)
+
+
 class Generator:
     """Batched generation with the target (left padding, KV cache): greedy, or keyed sampling
     at `sampling` with streams from `seed` (`Conversation.key`)."""
@@ -67,6 +80,7 @@ class Generator:
         sampling: Sampling | None = None,
         seed: int = 0,
         template: dict | None = None,
+        min_cap: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,7 +92,7 @@ class Generator:
         require_target_fits(target_dir, self.dtype, self.device, "regeneration")
         self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=self.dtype)
         self.model.to(self.device).eval()
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.min_cap = max_new_tokens, min_cap
         self.sampling, self.seed, self.template = sampling or Sampling(), seed, template or {}
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *self._config_eos()} - {None})
         if not self.eos_ids:
@@ -105,6 +119,10 @@ class Generator:
 
         return LogitsProcessorList([draw])
 
+    def cap(self, key: int) -> int:
+        """The token cap of the answer whose stream key is `key` (`answer_cap`)."""
+        return answer_cap(key, self.max_new_tokens, self.min_cap)
+
     def _config_eos(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -114,7 +132,14 @@ class Generator:
         self, prompts: list[list[int]], keys: list[int] | None = None
     ) -> list[tuple[list[int], bool]]:
         """Continuations (the stop token kept where one ended them) and whether each finished;
-        sampled with each prompt's stream `keys` where `sampling` asks for it."""
+        sampled with each prompt's stream `keys` where `sampling` asks for it, each cut at its
+        own cap (`cap`; a token depends only on those before it, so the cut rows are what a
+        shorter generation gives)."""
+        caps = (
+            [self.cap(k) for k in keys]
+            if keys is not None
+            else [self.max_new_tokens] * len(prompts)
+        )
         width = max(map(len, prompts))
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -125,7 +150,7 @@ class Generator:
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             do_sample=False,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=max(caps),
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
             # A static cache avoids re-concatenating the KV cache every step (half the CPU time).
@@ -133,7 +158,8 @@ class Generator:
             logits_processor=self._sampler(prompts, keys, width),
         )
         results = []
-        for row in out[:, width:].tolist():
+        for row, cap in zip(out[:, width:].tolist(), caps, strict=True):
+            row = row[:cap]
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
             # the ids exactly as generated, including the stop token when there is one
             results.append((row[: stop + 1], True) if stop is not None else (row, False))

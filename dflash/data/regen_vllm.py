@@ -18,6 +18,7 @@ import logging
 import os
 from pathlib import Path
 
+from dflash.data.generation import answer_cap
 from dflash.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class VllmTurns:
         max_model_len: int,
         sampling=None,
         seed: int = 0,
+        min_cap: int | None = None,
     ):
         require_vllm()
         from transformers import AutoTokenizer
@@ -57,7 +59,7 @@ class VllmTurns:
         self.eos_ids = sorted(eos_ids(target_dir, self.tokenizer))
         if not self.eos_ids:
             raise UserError(f"{target_dir}: the target defines no end-of-sequence token")
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.min_cap = max_new_tokens, min_cap
         self.llm = LLM(
             model=str(target_dir),
             dtype="bfloat16" if dtype == "auto" else dtype,
@@ -70,9 +72,9 @@ class VllmTurns:
         s = sampling.as_dict() if sampling is not None else {"temperature": 0.0}
         top_k = s.get("top_k") or -1  # vLLM's "every token"
 
-        def params(key: int | None = None):
+        def params(key: int | None = None, cap: int = max_new_tokens):
             return SamplingParams(temperature=s["temperature"], top_p=s.get("top_p", 1.0),
-                                  top_k=top_k, seed=key, max_tokens=max_new_tokens,
+                                  top_k=top_k, seed=key, max_tokens=cap,
                                   stop_token_ids=self.eos_ids)  # fmt: skip
 
         self.params = params
@@ -86,10 +88,12 @@ class VllmTurns:
         `max_new_tokens`; sampled, each with vLLM's seed from its stream key."""
         from vllm.inputs import TokensPrompt
 
-        if self.greedy or keys is None:
+        if keys is None:
             params = self.params()
-        else:
-            params = [self.params(key % (1 << 63)) for key in keys]
+        else:  # each answer's own cap (`answer_cap`), and its own seed where sampled
+            params = [self.params(None if self.greedy else key % (1 << 63),
+                                  answer_cap(key, self.max_new_tokens, self.min_cap))
+                      for key in keys]  # fmt: skip
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                     params, use_tqdm=True)  # fmt: skip
         return [finished_ids(o.outputs[0], self.eos_ids) for o in outputs]

@@ -170,14 +170,13 @@ def regenerate_shard(args, params: dict, max_prompt: int) -> dict:
         device = claim_gpu() if params["device"] == "auto" else torch.device(params["device"])
         visible_gpu(device)
         max_len = max_prompt + params["max_new_tokens"]
-        gen = VllmTurns(
-            args.target, params["dtype"], params["max_new_tokens"], max_len, sampling, seed
-        )
+        gen = VllmTurns(args.target, params["dtype"], params["max_new_tokens"], max_len, sampling,
+                        seed, params["min_cap"])  # fmt: skip
         gen.template = template
         dtype = torch.bfloat16 if params["dtype"] == "auto" else getattr(torch, params["dtype"])
     else:
         gen = Generator(args.target, params["dtype"], params["device"], params["max_new_tokens"],
-                        sampling, seed, template)  # fmt: skip
+                        sampling, seed, template, params["min_cap"])  # fmt: skip
         device, dtype = gen.device, gen.dtype
     # what `auto` resolved to is part of the work's identity: other hardware, other tokens
     resolved = {"max_prompt": max_prompt, "torch_dtype": str(dtype), "on": device.type}
