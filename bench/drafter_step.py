@@ -3,7 +3,8 @@ peak memory at Qwen3-8B drafter shapes (random init), chunked vs full-logits CE.
 
     python bench/drafter_step.py [--anchors 512] [--seq 2048] [--out results.json]
     python bench/drafter_step.py --shape recipe --batch 8 --anchors 96 --no-correctness \
-        --configs flex:chunked:compiled,flex:chunked:cudagraphs   # the recipe's, CUDA graphs
+        --configs flex:chunked:compiled   # the recipe's drafter (the training step's own path,
+                                          # compile.mode included: bench/step_modes.py)
 
 FLOPs are useful work only: context K/V projections, block tokens through all layers, attention
 over the keys each query may see, the frozen LM head on block tokens; backward = 2x forward for
@@ -55,7 +56,7 @@ def qwen3_8b_drafter(layers=5, block=16):
 
 def recipe_drafter(layers=5, block=16):
     """config/h200.yaml's drafter over SmolLM2-135M: the small shapes whose step waits on the host
-    (issue 58), where CUDA graphs (`:cudagraphs`) may pay."""
+    (issue 58)."""
     return DrafterConfig(
         hidden_size=576,
         intermediate_size=1536,
@@ -154,8 +155,8 @@ def useful_flops(cfg, s, n_blocks_valid, anchors_mean):
 
 
 def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False, shape="8b", b=1):
-    """`compile_model`: False, True (torch.compile) or "cudagraphs" (mode reduce-overhead: the
-    drafter's forward and backward replayed as CUDA graphs, a launch each)."""
+    # (a whole-drafter `reduce-overhead` here failed on 2026-12-07: a CUDA graph's output saved
+    # for backward was overwritten; bench/step_modes.py times compile.mode on training's path)
     cfg = SHAPES[shape]()
     torch.manual_seed(0)
     model = Drafter(cfg).to(device, torch.bfloat16)
@@ -167,13 +168,10 @@ def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False, sh
     pos = torch.arange(s, device=device)[None].expand(b, s)
     fwd = model
     if compile_model:
-        mode = "reduce-overhead" if compile_model == "cudagraphs" else None
-        fwd = torch.compile(model, mode=mode)
+        fwd = torch.compile(model)
     labels, weights = blocks.labels.view(-1), blocks.weights.view(-1)
 
     def step():
-        if compile_model == "cudagraphs":
-            torch.compiler.cudagraph_mark_step_begin()
         mod = dflash_mask_mod(a, v, s, cfg.block_size)
         attend = attend_for(backend, mod, b, q, kv, device)
         hid = fwd(x, feats, blocks.positions, pos, attend).view(-1, cfg.hidden_size)
@@ -188,7 +186,7 @@ def step_bench(device, backend, ce, anchors, s, steps=5, compile_model=False, sh
     step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    for _ in range(3):  # cudagraph trees record on the second and third calls
+    for _ in range(3):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -246,7 +244,7 @@ def main():
     for spec in args.configs.split(","):
         backend, ce, *rest = spec.split(":")
         try:
-            compile_model = (rest[0] if rest[0] == "cudagraphs" else True) if rest else False
+            compile_model = bool(rest)  # flex:chunked:compiled
             r = step_bench(device, backend, ce, args.anchors, args.seq, args.steps, compile_model,
                            args.shape, args.batch)  # fmt: skip
         except torch.OutOfMemoryError as e:
