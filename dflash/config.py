@@ -149,7 +149,7 @@ def check_levers(config: dict, source: str = "config") -> dict:
     """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
     together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
     an init to fine-tune, more frozen layers than the drafter has, several answers a prompt
-    without sampling, Muon on a torch without it; and vLLM asked for temperatures only where
+    without sampling, Muon on a torch without it, CUDA graphs with gradient accumulation; and vLLM asked for temperatures only where
     there are none."""
     d, t = config.get("drafter") or {}, config.get("train") or {}
     wrong = []
@@ -184,6 +184,15 @@ def check_levers(config: dict, source: str = "config") -> dict:
             f"data.regenerate.samples ({regen['samples']}) answers a prompt need sampled "
             f"regeneration: set data.regenerate.temperature above 0 (with "
             f"data.regenerate.enabled), else every copy is the same answer"
+        )
+    if (config.get("compile") or {}).get("mode") == "reduce-overhead" and t.get(
+        "grad_accum", 1
+    ) > 1:
+        wrong.append(
+            f"compile.mode: reduce-overhead replays CUDA graphs whose outputs the next step "
+            f"overwrites, and the first gradient of a step is such an output: accumulating "
+            f"train.grad_accum ({t['grad_accum']}) steps into it would read overwritten memory; "
+            f"use compile.mode: default or train.grad_accum: 1"
         )
     found = _torch_version() if t.get("optimizer") == "muon" else None
     if found is not None and found < (2, 9):

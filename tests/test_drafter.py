@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 from safetensors.torch import load_file
 
 from dflash.model.drafter import (
@@ -293,7 +294,7 @@ def test_flex_attention_equals_sdpa_forward_on_cpu():
     assert torch.allclose(dense, flex, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_flex_masks_equal_eager_and_a_later_step_wraps_nothing_anew(monkeypatch):
+def test_compiled_flex_masks_equal_eager_and_a_later_step_wraps_nothing_anew(monkeypatch, request):
     """Training's flex path (compiled mask and attention) gives the eager path's output, and
     after the first step no step calls `torch.compile` again: each call copies the compiler's
     config, a third of the recipe's host time per step when it was called twice a step."""
@@ -315,7 +316,8 @@ def test_compiled_flex_masks_equal_eager_and_a_later_step_wraps_nothing_anew(mon
         return real_compile(fn, **{**kwargs, "backend": "eager"})
 
     monkeypatch.setattr(torch, "compile", compile)
-    objective.compiled_flex.cache_clear()
+    objective.compiled_flex.cache_clear()  # and after: later tests compile for real
+    request.addfinalizer(objective.compiled_flex.cache_clear)
 
     def forward(compile):
         mask = block_mask(mod, b, q_len, s + q_len, "cpu", compile=compile)
@@ -653,20 +655,60 @@ def test_compiled_layers_trace_one_layer_and_match_the_eager_step():
 @pytest.mark.parametrize("scope", ["layers", "model"])
 def test_compile_mode_reaches_torch_compile_and_each_step_is_marked(monkeypatch, scope):
     """compile.mode reduce-overhead (CUDA graphs) is torch.compile's mode for the drafter under
-    either scope, and the step then tells the graphs where each step begins (on a GPU; a CPU
-    compiles as under `default`)."""
+    either scope, and every step then tells the graphs where it begins (the outputs of the step
+    before may be overwritten); under `default` no step is marked."""
     from dflash.model.step import TrainStep
 
-    modes = []
+    modes, marks = [], []
     monkeypatch.setattr(torch, "compile", lambda fn, **k: modes.append(k.get("mode")) or fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     drafter = Drafter(tiny_config(num_hidden_layers=2))
     embed = torch.nn.Embedding(50, 32).requires_grad_(False)
-    for mode in ("default", "reduce-overhead"):
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    feats = torch.randn(2, 24, 3 * 32, generator=torch.Generator().manual_seed(1))
+    for mode, steps_marked in (("default", 0), ("reduce-overhead", 2)):
         step = TrainStep(
             drafter, embed, embed.weight, max_anchors=4, gamma=None, attention="sdpa",
             compile=True, compile_scope=scope, compile_mode=mode,
         )  # fmt: skip
-        assert modes.pop() == mode and step.graphs == (mode == "reduce-overhead")
+        assert modes.pop() == mode
+        marks.clear()
+        for seed in range(2):
+            step(feats, ids, torch.ones_like(ids), torch.Generator().manual_seed(seed))
+        assert len(marks) == steps_marked
+
+
+def test_the_warmup_compiles_the_configs_compile_mode(monkeypatch):
+    """The warmup builds the step with compile.mode, as training does (a graph of another mode
+    would be another graph)."""
+    from dflash.config import validate
+    from dflash.model import step
+    from dflash.train.warmup import warm_shapes
+
+    class Built(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(step, "TrainStep", record)
+    config = validate({"compile": {"enabled": True, "mode": "reduce-overhead"}})
+    config["compile"]["device"] = "cpu"
+    with pytest.raises(Built) as built:
+        warm_shapes(REPO / "config" / "models" / "smollm2-135m", config, [(1, 16)])
+    assert built.value.args[0]["compile_mode"] == "reduce-overhead"
+
+
+def test_cuda_graphs_with_gradient_accumulation_are_refused_naming_both_keys():
+    from dflash.config import ConfigError, check_levers, validate
+
+    graphs = {"compile": {"mode": "reduce-overhead"}, "train": {"grad_accum": 2}}
+    with pytest.raises(
+        ConfigError, match=r"compile.mode: reduce-overhead .* train.grad_accum \(2\)"
+    ):
+        check_levers(validate(graphs))
+    check_levers(validate(graphs | {"train": {"grad_accum": 1}}))
+    check_levers(validate(graphs | {"compile": {"mode": "default"}}))
 
 
 @pytest.mark.slow

@@ -100,7 +100,7 @@ class TrainStep:
         """(loss, metrics); metrics as device tensors unless `host` (see `dflash_loss`)."""
         # fp32 master weights; on GPU the step runs in bf16 autocast.
         device = input_ids.device.type
-        if self.graphs and device == "cuda":
+        if self.graphs:  # (a counter on a CPU, where nothing is captured)
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
             return dflash_loss(

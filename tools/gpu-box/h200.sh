@@ -161,20 +161,32 @@ stages)  # tools/gpu-box/stages.sh CONFIG STAGE... in the background from the tr
 beside)  # DIR CONFIG[,CONFIG...] ACCEPTANCE STAGE...: a second drafter, carried in DIR as `wait`
   # brings one back (drafter-config.json, drafter.safetensors.part-*), evaluated beside the run
   # that `stages` started, on that run's target and expanded rows (waited for), in /tmp/beside:
-  # e.g. the other side of a paired study in the same stay (the steps are launch-bound at the
-  # recipe's shapes, so two processes share the GPU well). ACCEPTANCE: that drafter's own
+  # e.g. the other side of a paired study in the same stay (at the recipe's small shapes one
+  # process leaves the GPU idle between its kernels, so two share it well). ACCEPTANCE: that drafter's own
   # acceptance.json (sample-eval's greedy τ per prompt). Only the eval split is regenerated
   # (with CONFIG's data.regenerate: tau_sim off its answers). `wait` waits for it too.
   B=/tmp/beside A=/tmp/dflash-results
+  if pgrep -f "stages.sh $B/config.yaml" > /dev/null; then
+    echo "a beside run is going in $B: wait for it, or kill it first" >&2
+    exit 1
+  fi
   rm -rf "$B" && mkdir -p "$B/results/drafter" "$B/results/eval" "$B/results/data/expanded"
   cat "$2"/drafter.safetensors.part-* > "$B/results/drafter/model.safetensors"
   cp "$2/drafter-config.json" "$B/results/drafter/config.json"
   cp "$4" "$B/results/eval/acceptance.json"
   merge_configs "$B/config.yaml" "$3"
-  for _ in $(seq 60); do [ -e "$A/data/expanded/eval.parquet" ] && break; sleep 5; done
+  for _ in $(seq 60); do  # the target converted and the rows expanded (each written atomically)
+    [ -e "$A/target/target.json" ] && [ -e "$A/data/expanded/eval.parquet" ] && break
+    sleep 5
+  done
+  if [ ! -e "$A/target/target.json" ] || [ ! -e "$A/data/expanded/eval.parquet" ]; then
+    echo "beside: no target or expanded rows in $A after 300 s: start \`stages\` first" >&2
+    exit 1
+  fi
   cp -r "$A/target" "$B/results/target" && cp "$A/data/expanded/eval.parquet" "$B/results/data/expanded/"
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
-  SPLITS=eval setsid nohup bash tools/gpu-box/stages.sh "$B/config.yaml" "$B/results" "${@:5}" \
+  # GPU locks of its own: the GPU is shared on purpose, not queued behind the other run's jobs
+  SPLITS=eval DFLASH_GPU_LOCKS=$B/gpu-locks setsid nohup bash tools/gpu-box/stages.sh "$B/config.yaml" "$B/results" "${@:5}" \
     > "$B/stages.log" 2>&1 < /dev/null &
   echo "beside: tools/gpu-box/stages.sh started in $B ($(sha256sum < "$B/results/drafter/model.safetensors" | cut -c1-16)...)"
   ;;
@@ -229,7 +241,7 @@ wait)
     fi
   fi
   if [ -n "${OUT:-}" ] && [ -d /tmp/beside/results/eval ]; then  # `beside`'s results
-    tail -5 /tmp/beside/stages.log
+    tail -5 /tmp/beside/stages.log || true
     (cd /tmp/beside && tar czf "$OUT/beside.tgz" stages.log config.yaml results/eval \
       results/logs $(ls results/data/*/report.json results/data/tokenized/*.report.json 2>/dev/null))
   fi
