@@ -267,8 +267,9 @@ def training_inputs(cfg, b=3, s=20, n=3, seed=0):
     return ids, blocks, features, embed, anchors, valid
 
 
-def test_flex_attention_equals_sdpa_forward_on_cpu():
-    cfg = tiny_config()
+def masked_drafter(cfg):
+    """A tiny drafter on `training_inputs` under the DFlash mask: (mask_mod, its (batch, queries,
+    keys), and the drafter's forward without gradients given an attention)."""
     model = Drafter(cfg).eval()
     ids, blocks, feats, embed, anchors, valid = training_inputs(cfg)
     b, s = ids.shape
@@ -276,21 +277,18 @@ def test_flex_attention_equals_sdpa_forward_on_cpu():
     mod = dflash_mask_mod(anchors, valid, s, cfg.block_size)
     pos = torch.arange(s).expand(b, s)
     x = embed(blocks.ids).detach()
-    with torch.no_grad():
-        dense = model(
-            x,
-            feats,
-            blocks.positions,
-            pos,
-            sdpa_attend(dense_mask(mod, b, q_len, s + q_len, "cpu")),
-        )
-        flex = model(
-            x,
-            feats,
-            blocks.positions,
-            pos,
-            flex_attend(block_mask(mod, b, q_len, s + q_len, "cpu")),
-        )
+
+    def forward(attend):
+        with torch.no_grad():
+            return model(x, feats, blocks.positions, pos, attend)
+
+    return mod, (b, q_len, s + q_len), forward
+
+
+def test_flex_attention_equals_sdpa_forward_on_cpu():
+    mod, dims, forward = masked_drafter(tiny_config())
+    dense = forward(sdpa_attend(dense_mask(mod, *dims, "cpu")))
+    flex = forward(flex_attend(block_mask(mod, *dims, "cpu")))
     assert torch.allclose(dense, flex, atol=1e-5, rtol=1e-5)
 
 
@@ -300,14 +298,7 @@ def test_compiled_flex_masks_equal_eager_and_a_later_step_wraps_nothing_anew(mon
     config, a third of the recipe's host time per step when it was called twice a step."""
     from dflash.model import objective
 
-    cfg = tiny_config()
-    model = Drafter(cfg).eval()
-    ids, blocks, feats, embed, anchors, valid = training_inputs(cfg)
-    b, s = ids.shape
-    q_len = blocks.ids.shape[1]
-    mod = dflash_mask_mod(anchors, valid, s, cfg.block_size)
-    pos = torch.arange(s).expand(b, s)
-    x = embed(blocks.ids).detach()
+    mod, dims, run = masked_drafter(tiny_config())
     calls = []
     real_compile = torch.compile
 
@@ -320,9 +311,8 @@ def test_compiled_flex_masks_equal_eager_and_a_later_step_wraps_nothing_anew(mon
     request.addfinalizer(objective.compiled_flex.cache_clear)
 
     def forward(compile):
-        mask = block_mask(mod, b, q_len, s + q_len, "cpu", compile=compile)
-        with torch.no_grad():
-            return mask, model(x, feats, blocks.positions, pos, flex_attend(mask, compile))
+        mask = block_mask(mod, *dims, "cpu", compile=compile)
+        return mask, run(flex_attend(mask, compile))
 
     eager_mask, eager = forward(False)  # (eager flex_attention wraps itself at every call)
     calls.clear()
