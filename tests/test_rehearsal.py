@@ -108,6 +108,10 @@ def test_the_rehearsal_config_runs_every_stage_with_a_random_qwen3(tmp_path):
     answers = pl.read_parquet(flow.results / "data" / "regenerated" / "train.parquet")
     lengths = [len(ids) for turns in answers["turn_token_ids"] for ids in turns]
     assert all(4 <= n <= 12 for n in lengths) and len(set(lengths)) > 2
+    # and the drafter and the summary say so
+    trained_on = json.loads((flow.results / "drafter/config.json").read_text())
+    assert trained_on["dflash_training_answers"]["answer_caps"] == [4, 12]
+    assert "cut at a cap drawn from 4..12 tokens" in (flow.results / "summary.md").read_text()
     acceptance = json.loads((flow.results / "eval" / "acceptance.json").read_text())
     assert acceptance["lossless"] == 1.0 and acceptance["n_prompts"] == 2
     # the model config is an input of the target rule: editing it rebuilds the target

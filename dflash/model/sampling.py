@@ -61,12 +61,17 @@ class Sampling:
 
 def serving_mode(config: dict) -> dict:
     """How the target answered the training data (`data.regenerate`'s sampling, the seed its
-    streams came from when sampled, `data.chat_template_kwargs`): recorded in the regeneration
-    manifest, summary.md and the drafter's config.json."""
-    sampling = Sampling.of(config["data"]["regenerate"])
+    streams came from when sampled, the range its answers' caps were drawn from where
+    `min_cap` is set, `data.chat_template_kwargs`): recorded in the regeneration manifest,
+    summary.md and the drafter's config.json."""
+    regenerate = config["data"]["regenerate"]
+    sampling = Sampling.of(regenerate)
     mode = {"sampling": sampling.as_dict(), "label": sampling.label}
     if not sampling.greedy:
         mode["seed"] = config["seed"]
+    if regenerate.get("min_cap") is not None:  # answers cut short on purpose (answer_cap)
+        top = regenerate["max_new_tokens"]
+        mode["answer_caps"] = [min(regenerate["min_cap"], top), top]
     return mode | {"chat_template_kwargs": config["data"].get("chat_template_kwargs") or {}}
 
 

@@ -19,7 +19,8 @@ BATCHING = ("data.buckets", "data.max_length", "data.token_budget", "data.max_ba
 # The mode the training answers were made in (recorded in the drafter's config.json) and the
 # evaluation's top-p and top-k (tau_sim at train.tau_sim.temperatures) are read too.
 ANSWER_MODE = (
-    *(f"data.regenerate.{k}" for k in ("temperature", "top_p", "top_k")),
+    *(f"data.regenerate.{k}" for k in ("temperature", "top_p", "top_k", "min_cap")),
+    "data.regenerate.max_new_tokens",  # the top of min_cap's drawn range
     "data.chat_template_kwargs",
 )
 TRAINING_CONFIG = (
