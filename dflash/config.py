@@ -149,8 +149,8 @@ def check_levers(config: dict, source: str = "config") -> dict:
     """Raise ConfigError naming the keys where training's options (issue 57's levers) do not go
     together, before any job: D-PACE with distillation or a gamma, a fine-tune schedule without
     an init to fine-tune, more frozen layers than the drafter has, several answers a prompt
-    without sampling, Muon on a torch without it, CUDA graphs with gradient accumulation; and vLLM asked for temperatures only where
-    there are none."""
+    without sampling, Muon on a torch without it, CUDA graphs with gradient accumulation; and
+    vLLM asked for temperatures only where there are none."""
     d, t = config.get("drafter") or {}, config.get("train") or {}
     wrong = []
     if d.get("loss") == "dpace":

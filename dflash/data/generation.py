@@ -21,7 +21,7 @@ from dflash.errors import UserError
 from dflash.gpus import claim_gpu
 from dflash.model.memory import require_target_fits
 from dflash.model.precision import resolve_dtype
-from dflash.model.sampling import Sampling, keyed_sample, row_key
+from dflash.model.sampling import Sampling, cap_range, keyed_sample, row_key
 
 
 def _prompt_ids(tokenizer, turns: list[dict], max_prompt: int, template=None) -> list[int]:
@@ -62,9 +62,8 @@ def answer_cap(key: int, max_new_tokens: int, min_cap: int | None) -> int:
     target's answers never end: with one cap every row ends at the same step and decoding runs
     in waves (the 8B rehearsal: 10 waves for 8.2 waves of turns); drawn caps end rows one at a
     time, as real answers do."""
-    if min_cap is None:
-        return max_new_tokens
-    return random.Random(key).randint(min(min_cap, max_new_tokens), max_new_tokens)
+    caps = cap_range(max_new_tokens, min_cap)
+    return max_new_tokens if caps is None else random.Random(key).randint(*caps)
 
 
 class Generator:

@@ -59,6 +59,12 @@ class Sampling:
         )
 
 
+def cap_range(max_new_tokens: int, min_cap: int | None) -> tuple[int, int] | None:
+    """The range answers' caps are drawn from with `data.regenerate.min_cap`
+    (`dflash.data.generation.answer_cap`); None without it (every cap is max_new_tokens)."""
+    return None if min_cap is None else (min(min_cap, max_new_tokens), max_new_tokens)
+
+
 def serving_mode(config: dict) -> dict:
     """How the target answered the training data (`data.regenerate`'s sampling, the seed its
     streams came from when sampled, the range its answers' caps were drawn from where
@@ -69,9 +75,9 @@ def serving_mode(config: dict) -> dict:
     mode = {"sampling": sampling.as_dict(), "label": sampling.label}
     if not sampling.greedy:
         mode["seed"] = config["seed"]
-    if regenerate.get("min_cap") is not None:  # answers cut short on purpose (answer_cap)
-        top = regenerate["max_new_tokens"]
-        mode["answer_caps"] = [min(regenerate["min_cap"], top), top]
+    caps = cap_range(regenerate["max_new_tokens"], regenerate.get("min_cap"))
+    if caps is not None:  # answers cut short on purpose
+        mode["answer_caps"] = list(caps)
     return mode | {"chat_template_kwargs": config["data"].get("chat_template_kwargs") or {}}
 
 
