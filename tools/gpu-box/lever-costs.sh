@@ -15,7 +15,8 @@ for path in sys.argv[2:]: update_config(config, yaml.safe_load(open(path)))
 yaml.safe_dump(config, open(sys.argv[1], "w"))'
 recipe="config/h200.yaml config/h200-domains.yaml tools/gpu-box/h200-no-vllm.yaml"
 python3 -c "$merge" /tmp/ce.yaml $recipe
-python3 -c "$merge" /tmp/dpace.yaml $recipe bench/h200-dpace.yaml
+echo "drafter: {loss: dpace}" > /tmp/dpace-only.yaml  # the D-PACE lever overlay's one key
+python3 -c "$merge" /tmp/dpace.yaml $recipe /tmp/dpace-only.yaml
 python3 bench/optimizer_step.py --shape 8b --out "$OUT/optimizer-8b.json"
 [ "${1:-}" = 8b-only ] && exit 0
 python3 bench/optimizer_step.py --shape recipe --out "$OUT/optimizer-recipe.json"
