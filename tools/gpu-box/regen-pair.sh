@@ -7,7 +7,7 @@
 #   bash tools/gpu-box/regen-pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-BASE=config/h200.yaml,config/h200-domains.yaml,tools/gpu-box/h200-no-vllm.yaml,tools/gpu-box/h200-sampling.yaml,tools/gpu-box/h200-regen-pair.yaml
+BASE=config/h200.yaml,config/h200-domains.yaml,tools/gpu-box/h200-no-vllm.yaml,tools/gpu-box/h200-sampling.yaml,tools/gpu-box/h200-regen-pair.yaml,tools/gpu-box/h200-sets-first-12.yaml
 bash tools/gpu-box/h200.sh stages "$BASE" target expand
 while pgrep -f gpu-box/stages.sh > /dev/null; do sleep 2; done
 cd /tmp/dflash-src
