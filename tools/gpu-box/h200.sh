@@ -89,6 +89,9 @@ install)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers, polars, snakemake; print('torch', torch.__version__, 'transformers', transformers.__version__, 'polars', polars.__version__)"
   ;;
+merge)  # OUT CONFIG[,CONFIG...]: the configs as one file (merge_configs), for scripts on the box
+  merge_configs "$2" "$3"
+  ;;
 probe)  # CONFIG's compile warmup on random weights, in the background: step times per bucket
   # shape before the run starts, and a warm compile cache for it
   setsid nohup python3 -m dflash warmup --config "$2" --target config/models/smollm2-135m \

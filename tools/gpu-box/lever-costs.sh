@@ -9,14 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash tools/gpu-box/h200.sh install
 export PYTHONPATH=/tmp/site:$PWD
-merge='import sys, yaml; from snakemake.utils import update_config
-config = {}
-for path in sys.argv[2:]: update_config(config, yaml.safe_load(open(path)))
-yaml.safe_dump(config, open(sys.argv[1], "w"))'
-recipe="config/h200.yaml config/h200-domains.yaml tools/gpu-box/h200-no-vllm.yaml"
-python3 -c "$merge" /tmp/ce.yaml $recipe
+recipe=config/h200.yaml,config/h200-domains.yaml,tools/gpu-box/h200-no-vllm.yaml
 echo "drafter: {loss: dpace}" > /tmp/dpace-only.yaml  # the D-PACE lever overlay's one key
-python3 -c "$merge" /tmp/dpace.yaml $recipe /tmp/dpace-only.yaml
+bash tools/gpu-box/h200.sh merge /tmp/ce.yaml $recipe
+bash tools/gpu-box/h200.sh merge /tmp/dpace.yaml $recipe,/tmp/dpace-only.yaml
 python3 bench/optimizer_step.py --shape 8b --out "$OUT/optimizer-8b.json"
 [ "${1:-}" = 8b-only ] && exit 0
 python3 bench/optimizer_step.py --shape recipe --out "$OUT/optimizer-recipe.json"
