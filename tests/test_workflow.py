@@ -563,6 +563,13 @@ def test_all_ends_with_a_lossless_evaluation_and_a_summary(tiny_workflow):
     assert len(seeds) == 2 and all(1.0 <= t <= 8 for t in seeds)
     assert run["methods"]["drafter"]["overall"]["greedy_macro"] >= 1.0
     assert "**At temperature**" in summary and "tau_sim at T=1" in summary
+    # what argmax drafts could reach at T = 1, per set, and the drafter's share of it
+    ceiling, drafter = run["argmax_ceiling"], run["methods"]["drafter"]
+    assert 1.0 <= ceiling["tau_macro"] <= 16 and set(ceiling["sets"]) == set(drafter["sets"])
+    assert ceiling["drafter_share"] == pytest.approx(
+        drafter["overall"]["tau_macro"] / ceiling["tau_macro"], abs=1e-3
+    )
+    assert "**Argmax drafts' ceiling at T=1:**" in summary
     quality = json.loads((flow.results / "MANIFEST.json").read_text())["eval"]["quality"]
     assert (
         quality["sampled_tau_macro"]["T=1"]["drafter"]

@@ -105,6 +105,10 @@ def sampling_text(sampled: dict | None, acceptance: dict, metrics: list[dict]) -
                 + ", ".join(parts)
                 + f", against real τ {_f(sim.get('tau_macro'))}.",
             ]
+    for run in sampled["runs"]:
+        line = ceiling_text(run)
+        if line:
+            lines += ["", line]
     logged = [k for k in (metrics[-1] if metrics else {}) if k.startswith("tau_sim_T=")]
     if logged:
         lines += [
@@ -114,3 +118,29 @@ def sampling_text(sampled: dict | None, acceptance: dict, metrics: list[dict]) -
             + ".",
         ]
     return "\n".join(lines)
+
+
+def ceiling_text(run: dict) -> str | None:
+    """One line: what argmax drafts could reach at this temperature on this target, and the
+    trained drafter's share of it, overall and per set."""
+    ceiling = run.get("argmax_ceiling") or {}
+    if not ceiling.get("tau_macro"):
+        return None
+
+    def share(block: dict) -> str:
+        return (
+            f" (the trained drafter {block['drafter_share']:.2f} of it)"
+            if "drafter_share" in block
+            else ""
+        )
+
+    per_set = "; ".join(
+        f"{name} {block['tau_macro']:.3f}{share(block)}" for name, block in ceiling["sets"].items()
+    )
+    return (
+        f"**Argmax drafts' ceiling at T={run['temperature']:g}:** a drafter that always drafted "
+        f"the target's own argmax would reach τ {ceiling['tau_macro']:.3f}{share(ceiling)}, read "
+        "along the target's own samples as tau_sim reads a drafter: what the target's spread at "
+        "this temperature leaves to argmax drafts, however good the drafter (drafts drawn from "
+        f"the drafter have no such cap). Per set: {per_set}."
+    )

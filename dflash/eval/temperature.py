@@ -33,9 +33,9 @@ from dflash.eval.setup import Setup
 from dflash.eval.verify import Sampled
 from dflash.io import read_json, write_json
 from dflash.model.memory import peak_memory_gb
-from dflash.model.sampling import Sampling
+from dflash.model.sampling import Sampling, probabilities
 from dflash.model.tau_sim import response_spans, tau_macro
-from dflash.model.tau_sim_sampled import simulate_sampled, target_top
+from dflash.model.tau_sim_sampled import argmax_ceiling, simulate_sampled, target_top
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ def _run(setup, sampling: Sampling, decoded: list, greedy: dict) -> dict:
         "methods": methods,
         "per_prompt": per_prompt,
         "tau_sim": _tau_sim(setup, sampling, decoded),
+        "argmax_ceiling": _argmax_ceiling(setup, sampling, decoded, methods.get("drafter")),
     }
 
 
@@ -214,6 +215,41 @@ def _tau_sim(setup, sampling: Sampling, decoded: list) -> dict:
         if out.get(key) and real:
             out[f"{key}_gap_pct"] = round(100 * (out[key] - real) / real, 2)
     return out
+
+
+@torch.no_grad()
+def _argmax_ceiling(setup, sampling: Sampling, decoded: list, drafter: dict | None) -> dict:
+    """What argmax drafts could reach here (`argmax_ceiling`), read along the target's own
+    sampled answers of every prompt and seed: τ macro overall and per set, and the trained
+    drafter's τ (argmax drafts) as a share of it."""
+    device = setup.model.get_input_embeddings().weight.device
+    by_set: dict[str, list[float]] = {}
+    for prompts, encoded, gens in decoded:
+        for i, prompt in enumerate(prompts):
+            ids = list(encoded[i]) + list(gens["target"][i].tokens)
+            first = len(encoded[i])
+            last = min(len(ids) - 1, first + setup.max_new - 1)
+            logits = setup.model(input_ids=torch.tensor([ids], device=device)).logits[0]
+            # the target's best chance for each answer token after the first (drafts fill those)
+            best = [0.0] * first
+            best += probabilities(logits[first:last].float(), sampling).max(-1).values.tolist()
+            tau = argmax_ceiling(best, first, last, setup.block_size)
+            if tau is not None:
+                by_set.setdefault(prompt.set_name, []).append(tau)
+    if not by_set:
+        return {}
+
+    def block(taus: list[float], reached: dict | None) -> dict:
+        out = {"tau_macro": round(statistics.fmean(taus), 4), "responses": len(taus)}
+        if reached and reached.get("tau_macro"):
+            out["drafter_share"] = round(reached["tau_macro"] / out["tau_macro"], 4)
+        return out
+
+    sets = (drafter or {}).get("sets", {})
+    everything = [t for taus in by_set.values() for t in taus]
+    return block(everything, (drafter or {}).get("overall")) | {
+        "sets": {name: block(taus, sets.get(name)) for name, taus in by_set.items()}
+    }
 
 
 def _regenerated_answers(setup, row_ids: set[str]) -> list[tuple[list[int], list[int]]]:

@@ -66,6 +66,21 @@ def expected_tau(alpha: list[list[float]], first: int, last: int) -> float | Non
     return (last - first) / rounds
 
 
+def argmax_ceiling(best: list[float], first: int, last: int, block_size: int) -> float | None:
+    """What drafts of one token a slot (argmax drafts, vLLM's default rule) can reach at this
+    temperature: the expected τ of a drafter that always drafts the target's own argmax, whose
+    draft k after anchor a is accepted with `best[a + k - 1]`, the target's largest probability
+    for the token at a + k (after temperature, top-k and top-p). Read along a known response as
+    tau_sim reads a drafter (the contexts are the response's), where no drafter of one token a
+    slot does better; in real decoding a draft's context is the drafts before it, so it is an
+    estimate of the ceiling, not a bound. None where there is nothing to draft."""
+    alpha = [
+        [best[a + k - 1] if a + k <= last else 0.0 for k in range(1, block_size)]
+        for a in range(first, last)
+    ]
+    return expected_tau(alpha, first, last)
+
+
 @torch.no_grad()
 def draft_acceptance(
     drafter, embed_tokens, head_weight, features, ids, top, anchors, last, chunk_anchors=256
