@@ -4,6 +4,7 @@ parameters on the device), random gradients, the median seconds of `--steps` ste
 warm ones, each optimizer in a fresh drafter.
 
     python bench/optimizer_step.py [--shape 8b|recipe] [--optimizers adamw,muon,muon,adamw]
+    python bench/optimizer_step.py --shape recipe --optimizers muon-torch,muon,muon,muon-torch
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 from drafter_step import SHAPES
@@ -25,14 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def time_optimizer(shape: str, name: str, steps: int, device: torch.device) -> dict:
+    """`name`: adamw, muon (training's: GroupedMuon) or muon-torch (torch's Muon, a matrix at a
+    time, as training stepped before GroupedMuon)."""
     config = load_config(ROOT / "config" / "config.yaml")  # train.* as a run reads them
-    config["train"]["optimizer"] = name
+    config["train"]["optimizer"] = name.removesuffix("-torch")
     torch.manual_seed(0)
     with device:
         drafter = Drafter(SHAPES[shape]())
         for p in drafter.parameters():
             p.grad = torch.randn_like(p) * 1e-3
-    optimizer, _ = optim.build(drafter, config, total_steps=100, device=device)
+    with (
+        mock.patch.object(optim, "_muon_class", lambda: torch.optim.Muon)
+        if name == "muon-torch"
+        else nullcontext()
+    ):
+        optimizer, _ = optim.build(drafter, config, total_steps=100, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(steps + 2):

@@ -118,7 +118,7 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest():
     ids = {id(p): name for name, p in named.items()}
     muon = {ids[id(p)] for g in run.optimizer.named["muon"].param_groups for p in g["params"]}
     adamw = {ids[id(p)] for g in run.optimizer.named["adamw"].param_groups for p in g["params"]}
-    assert type(run.optimizer.named["muon"]) is torch.optim.Muon
+    assert isinstance(run.optimizer.named["muon"], torch.optim.Muon)  # GroupedMuon
     assert muon | adamw == named.keys() and not muon & adamw
     assert muon == {n for n, p in named.items() if p.ndim == 2}
     projections = {f"{m}_proj" for m in ("q", "k", "v", "o", "gate", "up", "down")}
@@ -175,6 +175,52 @@ def test_a_muon_run_resumed_from_a_checkpoint_ends_with_the_uninterrupted_weight
     momentum = whole.optimizer.named["muon"].state[whole.drafter.fc.weight]["momentum_buffer"]
     resumed = second.optimizer.named["muon"].state[second.drafter.fc.weight]["momentum_buffer"]
     assert torch.equal(momentum, resumed)
+
+
+def test_grouped_muon_steps_the_drafter_as_torchs_muon_does(monkeypatch):
+    """The drafter's matrices stepped a shape at a time (GroupedMuon) against torch's Muon
+    stepping them one by one: the same losses and weights, bit for bit on CPU, over real
+    training steps."""
+    grouped = Run(MUON)
+    grouped_losses = grouped.steps(4)
+    monkeypatch.setattr(optim, "_muon_class", lambda: torch.optim.Muon)
+    plain = Run(MUON)
+    assert type(plain.optimizer.named["muon"]) is torch.optim.Muon
+    assert plain.steps(4) == grouped_losses
+    assert same_weights(plain.drafter, grouped.drafter)
+
+
+@pytest.mark.parametrize("nesterov, adjust", [(True, None), (False, "original")])
+def test_grouped_muon_equals_torchs_for_tall_wide_and_square_matrices(nesterov, adjust):
+    """Stacks of tall, wide and square matrices (Newton-Schulz works on the wide side) and a
+    shape of its own: each step's weights and momentum equal torch's Muon's, and a state dict
+    saved by one loads into the other."""
+    from dflash.train.muon import GroupedMuon
+
+    shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)] * 2 + [(16, 80)]
+
+    def matrices():
+        g = torch.Generator().manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov, "adjust_lr_fn": adjust}
+    theirs, ours = matrices(), matrices()
+    reference, grouped = torch.optim.Muon(theirs, **kwargs), GroupedMuon(ours, **kwargs)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for p, q in zip(theirs, ours, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        reference.step()
+        grouped.step()
+        assert all(torch.equal(p, q) for p, q in zip(theirs, ours, strict=True))
+    again = GroupedMuon(matrices(), **kwargs)
+    again.load_state_dict(reference.state_dict())
+    momentum = [reference.state[p]["momentum_buffer"] for p in theirs]
+    assert all(
+        torch.equal(again.state[p]["momentum_buffer"], m)
+        for p, m in zip(again.param_groups[0]["params"], momentum, strict=True)
+    )
 
 
 def test_muon_without_torch_optim_muon_is_refused_naming_the_key_and_torch(monkeypatch):

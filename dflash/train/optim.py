@@ -85,7 +85,9 @@ def _muon_class():
             f"train.optimizer: muon needs torch.optim.Muon (torch 2.9 or later); this environment "
             f"has torch {torch.__version__}: install a newer torch or set train.optimizer: adamw"
         )
-    return muon
+    from dflash.train.muon import GroupedMuon  # subclasses torch.optim.Muon: only where it is
+
+    return GroupedMuon
 
 
 class Optimizers:
