@@ -2,7 +2,9 @@
 (issue 55): per eval set, the target's own answers sampled at each temperature, then the
 expected τ of a drafter that always drafts the target's argmax (`argmax_ceiling`, as
 eval_sampling reports it beside the trained drafter) and the target's mean largest probability
-along those answers. First turns only (a later MT-Bench turn follows the target's own answer).
+at the answers' drafted positions. First turns only (eval_prompts gives no later MT-Bench turn:
+those follow the target's own answer). The ceiling is an estimate, a few per cent low
+(`argmax_ceiling`'s docstring).
 
     python bench/argmax_ceiling.py --target results/target/hf \
         --config config/h200.yaml config/h200-domains.yaml --held-out results/data/expanded/eval.parquet \
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.config import validate  # noqa: E402
 from dflash.eval.setup import encode, eval_prompts  # noqa: E402
 from dflash.model.sampling import Sampling, probabilities  # noqa: E402
+from dflash.model.target import eos_ids  # noqa: E402
 from dflash.model.tau_sim_sampled import argmax_ceiling  # noqa: E402
 
 
@@ -46,8 +49,9 @@ def merged_config(paths: list[Path]) -> dict:
 
 
 @torch.no_grad()
-def sampled_answers(model, tokenizer, prompts: list[list[int]], s: Sampling, new: int, batch: int):
-    """The target's answers to `prompts` (ids), sampled at `s`, left-padded batches."""
+def sampled_answers(model, tokenizer, stop, prompts: list[list[int]], s: Sampling, new, batch):
+    """The target's answers to `prompts` (ids), sampled at `s`, left-padded batches, each cut
+    after its first stop token (`stop`: the target's end-of-sequence ids)."""
     device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
@@ -61,7 +65,7 @@ def sampled_answers(model, tokenizer, prompts: list[list[int]], s: Sampling, new
             top_p=s.top_p, top_k=s.top_k or 0, max_new_tokens=new, pad_token_id=pad,
         )  # fmt: skip
         for row in gen[:, width:].tolist():
-            stops = [i for i, t in enumerate(row) if t in (tokenizer.eos_token_id, pad)]
+            stops = [i for i, t in enumerate(row) if t in stop]
             out.append(row[: stops[0] + 1] if stops else row)
     return out
 
@@ -73,10 +77,14 @@ def ceiling_of(model, prompt: list[int], answer: list[int], s: Sampling, block: 
     first, last = len(prompt), len(ids) - 1
     if last <= first:
         return None, None
-    logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0]
-    top = probabilities(logits[first - 1 : last].float(), s).max(-1).values.tolist()
-    best = [0.0] * first + top[1:]  # best[j]: the chance for the token at j + 1
-    return argmax_ceiling(best, first, last, block), statistics.fmean(top)
+    out = model(
+        input_ids=torch.tensor([ids], device=model.device),
+        logits_to_keep=len(ids) - first,
+        use_cache=False,
+    )
+    # best[j]: the target's largest chance for the token at j + 1, for the drafted positions
+    top = probabilities(out.logits[0, : last - first].float(), s).max(-1).values.tolist()
+    return argmax_ceiling([0.0] * first + top, first, last, block), statistics.fmean(top)
 
 
 def main() -> None:
@@ -95,19 +103,22 @@ def main() -> None:
     config = merged_config(args.config)
     if args.held_out is None:
         config["eval"]["sets"] = [s for s in config["eval"]["sets"] if s["format"] != "held_out"]
-    prompts = [q for q in eval_prompts(config, args.held_out, args.max_prompts) if "#" not in q.id]
+    prompts = eval_prompts(config, args.held_out, args.max_prompts)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
     encoded = [encode(tokenizer, q, config["data"]["chat_template_kwargs"]) for q in prompts]
     block = config["drafter"]["block_size"]
+    stop = eos_ids(args.target, tokenizer)
     results = []
     for spec in args.sampling:
         temperature, top_p = (float(x) for x in spec.split(":"))
         s = Sampling(temperature, top_p)
         torch.manual_seed(args.seed)
         started = time.perf_counter()
-        answers = sampled_answers(model, tokenizer, encoded, s, args.max_new_tokens, args.batch)
+        answers = sampled_answers(
+            model, tokenizer, stop, encoded, s, args.max_new_tokens, args.batch
+        )
         by_set: dict[str, list[tuple[float, float]]] = {}
         for q, ids, answer in zip(prompts, encoded, answers, strict=True):
             tau, mean_best = ceiling_of(model, ids, answer, s, block)
