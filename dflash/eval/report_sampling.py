@@ -140,7 +140,8 @@ def ceiling_text(run: dict) -> str | None:
     return (
         f"**Argmax drafts' ceiling at T={run['temperature']:g}:** a drafter that always drafted "
         f"the target's own argmax would reach τ {ceiling['tau_macro']:.3f}{share(ceiling)}, read "
-        "along the target's own samples as tau_sim reads a drafter: what the target's spread at "
-        "this temperature leaves to argmax drafts, however good the drafter (drafts drawn from "
-        f"the drafter have no such cap). Per set: {per_set}."
+        "along the target's own samples as tau_sim reads a drafter: about what the target's "
+        "spread at this temperature leaves to argmax drafts, however good the drafter (an "
+        "estimate, a few per cent low on the test target; drafts drawn from the drafter have no "
+        f"such cap). Per set: {per_set}."
     )

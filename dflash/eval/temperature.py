@@ -229,13 +229,20 @@ def _argmax_ceiling(setup, sampling: Sampling, decoded: list, drafter: dict | No
             ids = list(encoded[i]) + list(gens["target"][i].tokens)
             first = len(encoded[i])
             last = min(len(ids) - 1, first + setup.max_new - 1)
-            logits = setup.model(input_ids=torch.tensor([ids], device=device)).logits[0]
-            # the target's best chance for each answer token after the first (drafts fill those)
-            best = [0.0] * first
-            best += probabilities(logits[first:last].float(), sampling).max(-1).values.tolist()
-            tau = argmax_ceiling(best, first, last, setup.block_size)
-            if tau is not None:
-                by_set.setdefault(prompt.set_name, []).append(tau)
+            if last <= first:  # nothing to draft
+                continue
+            # the target's best chance for each answer token after the first (drafts fill those):
+            # the logits of positions first..len(ids) - 1 only, no cache
+            out = setup.model(
+                input_ids=torch.tensor([ids], device=device),
+                logits_to_keep=len(ids) - first,
+                use_cache=False,
+            )
+            kept = out.logits[0, : last - first].float()
+            best = [0.0] * first + probabilities(kept, sampling).max(-1).values.tolist()
+            by_set.setdefault(prompt.set_name, []).append(
+                argmax_ceiling(best, first, last, setup.block_size)
+            )
     if not by_set:
         return {}
 
