@@ -14,20 +14,10 @@ arithmetic, it is unchanged (183 ms).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """The learning rate of one matrix, as torch's Muon adjusts it (`adjust_lr_fn`)."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
+from torch.optim._muon import _adjust_lr  # its lr per matrix shape, not a copy of it
 
 
 def orthogonalise(stacked: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
@@ -79,5 +69,5 @@ class GroupedMuon(torch.optim.Muon):
         )
         lr = group["lr"]
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        step = -adjusted_lr(lr, group["adjust_lr_fn"], shape)
+        step = -_adjust_lr(lr, group["adjust_lr_fn"], shape)
         torch._foreach_add_(params, list(ortho.unbind(0)), alpha=step)
