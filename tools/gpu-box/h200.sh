@@ -188,9 +188,15 @@ beside)  # DIR CONFIG[,CONFIG...] ACCEPTANCE STAGE...: a second drafter, carried
   fi
   cp -r "$A/target" "$B/results/target" && cp "$A/data/expanded/eval.parquet" "$B/results/data/expanded/"
   cd "$SRC" && export PYTHONPATH=/tmp/site:$SRC:/tmp/vllm-site
-  # GPU locks of its own: the GPU is shared on purpose, not queued behind the other run's jobs
-  SPLITS=eval DFLASH_GPU_LOCKS=$B/gpu-locks setsid nohup bash tools/gpu-box/stages.sh "$B/config.yaml" "$B/results" "${@:5}" \
-    > "$B/stages.log" 2>&1 < /dev/null &
+  # GPU locks of its own: the GPU is shared on purpose, not queued behind the other run's jobs.
+  # But not beside its regeneration or training: one regeneration peaks at 61 GB at the recipe's
+  # batch, so two did not fit an 80 GB H100 (2026-12-08: the first run's failed, out of memory).
+  # The wait is in the background ("stages[.]sh" so that pgrep does not find its own command line).
+  SPLITS=eval DFLASH_GPU_LOCKS=$B/gpu-locks setsid nohup bash -c "
+    while [ ! -e $A/train/summary.json ] && pgrep -f 'stages[.]sh $RUN/config.yaml' > /dev/null; do
+      sleep 5
+    done
+    exec bash tools/gpu-box/stages.sh $B/config.yaml $B/results ${*:5}" > "$B/stages.log" 2>&1 < /dev/null &
   echo "beside: tools/gpu-box/stages.sh started in $B ($(sha256sum < "$B/results/drafter/model.safetensors" | cut -c1-16)...)"
   ;;
 vllm)  # the vLLM bundle carried in parts (tools/gpu-box/vllm-wheels.sh DIR, then `stage` each
