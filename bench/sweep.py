@@ -12,6 +12,13 @@ variant its own process (a small target leaves most of an H200 idle to one). Eve
 inside the results folder, which is ignored: a lent GPU box removes files git would track when
 the next call's working tree arrives. `collect` reads every variant's metrics (the live ones of
 a run still going) and the eval's acceptance.json where there is one.
+
+A variant that sets `data.train_fraction` or `data.train_rows` (issue 57's τ against compute)
+trains on its own share of the base folder's rows, not on all of them: the rows `expand` would
+have kept (`first_rows` over the base's training rows, a prefix of them), their regenerated and
+tokenized rows taken from the base (a row's answer depends on that row alone), so the curve's
+points cost no regeneration and train side by side with the levers. `expanded/report.json`
+gives the kept row count (`compute-curve` reads it).
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
+import polars as pl
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,16 +59,64 @@ def with_overrides(config: dict, pairs: list[str]) -> dict:
     return config
 
 
+SUBSET_KEYS = ("train_rows", "train_fraction")
+SAMPLE_COPY = re.compile(r"-s\d+$")  # `expand`'s `<id>-s<k>`: a row's k-th sampled answer
+
+
+def subset_data(base: Path, folder: Path, base_data: dict, data: dict) -> int:
+    """`folder/data` from `base/data`: the training rows `first_rows` keeps under `data`'s
+    train_rows and train_fraction (copies of a row for sampled answers follow it), the eval split
+    linked; returns the rows kept. The base must hold every row those keys could keep."""
+    from dflash.data.expand import first_rows
+
+    if base_data.get("train_fraction", 1.0) < 1.0 or (
+        base_data.get("train_rows") is not None
+        and (data.get("train_rows") is None or data["train_rows"] > base_data["train_rows"])
+    ):
+        raise SystemExit(
+            f"sweep: {base}/data holds a part of the training rows (data.train_rows "
+            f"{base_data.get('train_rows')}, train_fraction {base_data.get('train_fraction')}): "
+            "a variant can only take a share of rows the base has"
+        )
+    src, out = base / "data", folder / "data"
+    expanded = pl.read_parquet(src / "expanded/train.parquet")
+    rows = [i for i in expanded["id"] if not SAMPLE_COPY.search(i)]
+    keep = set(first_rows(rows, data.get("train_rows"), data.get("train_fraction", 1.0)))
+
+    def kept(frame: pl.DataFrame) -> pl.DataFrame:  # in the base's order
+        return frame.filter(pl.col("id").str.replace(SAMPLE_COPY.pattern, "").is_in(keep))
+
+    for split in ("expanded", "tokenized"):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        kept(pl.read_parquet(src / split / "train.parquet")).write_parquet(
+            out / split / "train.parquet"
+        )
+        for name in ("eval.parquet",):
+            if not (out / split / name).exists():
+                (out / split / name).symlink_to(src / split / name)
+    report = json.loads((src / "expanded/report.json").read_text())
+    report["train_rows"] = len(keep)
+    report["subset_of"] = {"folder": str(src), "train_rows": len(rows), **{
+        k: data.get(k) for k in SUBSET_KEYS}}  # fmt: skip
+    (out / "expanded/report.json").write_text(json.dumps(report, indent=1))
+    return len(keep)
+
+
 def start(args) -> None:
     base = Path(args.results).resolve()
+    base_config = yaml.safe_load(Path(args.config).read_text())
     for name, *pairs in args.variant:
         folder = base / "sweep" / name  # inside the ignored results folder: it survives
         folder.mkdir(parents=True, exist_ok=True)
+        config = with_overrides(yaml.safe_load(Path(args.config).read_text()), pairs)
+        subset = any(config["data"].get(k) != base_config["data"].get(k) for k in SUBSET_KEYS)
+        if subset and not (folder / "data").exists():
+            rows = subset_data(base, folder, base_config["data"], config["data"])
+            print(f"{name}: {rows} of the base's training rows")
         for shared in ("target", "data"):
             link = folder / shared
             if not link.exists():
                 link.symlink_to(base / shared)
-        config = with_overrides(yaml.safe_load(Path(args.config).read_text()), pairs)
         (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         log = open(folder / "sweep.log", "a")
         cmd = [
