@@ -16,9 +16,16 @@ a run still going) and the eval's acceptance.json where there is one.
 A variant that sets `data.train_fraction` or `data.train_rows` (issue 57's τ against compute)
 trains on its own share of the base folder's rows, not on all of them: the rows `expand` would
 have kept (`first_rows` over the base's training rows, a prefix of them), their regenerated and
-tokenized rows taken from the base (a row's answer depends on that row alone), so the curve's
-points cost no regeneration and train side by side with the levers. `expanded/report.json`
-gives the kept row count (`compute-curve` reads it).
+tokenized rows taken from the base, so the curve's points cost no regeneration and train side
+by side with the levers. With the static engine (`engine: auto` on a GPU) a row's answer depends
+on that row alone, so they are the very rows a run of that share makes; with `hf` or vLLM, whose
+batches can round a near tie apart, the same target's answers in the same mode. A variant that
+changes any other key the rows are made from is refused. `expanded/report.json`
+gives the kept row count (`compute-curve` reads it). `data.domain_rows` takes a share by domain
+the same way (e.g. `data.domain_rows={chat: 6000, code: 0, math: 0}`: the chat rows alone).
+
+`drafter.init=sweep:NAME` fine-tunes from variant NAME's drafter: the variant starts once NAME's
+training has ended (issue 57's fine-tune: a chat drafter moved onto the mixture, in one sweep).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -59,47 +67,118 @@ def with_overrides(config: dict, pairs: list[str]) -> dict:
     return config
 
 
-SUBSET_KEYS = ("train_rows", "train_fraction")
+SUBSET_KEYS = ("domain_rows", "train_rows", "train_fraction")
 SAMPLE_COPY = re.compile(r"-s\d+$")  # `expand`'s `<id>-s<k>`: a row's k-th sampled answer
 
 
-def subset_data(base: Path, folder: Path, base_data: dict, data: dict) -> int:
-    """`folder/data` from `base/data`: the training rows `first_rows` keeps under `data`'s
-    train_rows and train_fraction (copies of a row for sampled answers follow it), the eval split
-    linked; returns the rows kept. The base must hold every row those keys could keep."""
+def _get(config: dict, dotted: str):
+    for name in dotted.split("."):
+        config = config.get(name) if isinstance(config, dict) else None
+    return config
+
+
+def rows_keys() -> list[str]:
+    """The config keys the training rows depend on, but for the share keys: those of the stages
+    that make them (dflash.stages' table)."""
+    from dflash.stages import STAGES
+
+    keys = {
+        k for name in ("target", "expand", "regenerate", "tokenize") for k in STAGES[name].config
+    }
+    return sorted(keys - {f"data.{k}" for k in SUBSET_KEYS} - {"cache_dir"})
+
+
+def share_refused(base: dict, config: dict) -> str | None:
+    """Why the base's training rows cannot give the variant's (None where they can). `expand`
+    keeps first_rows(cap_rows(rows, domain_rows), train_rows, train_fraction): each a prefix
+    (per domain for the caps) of the rows before it, so a variant's rows are a share of the
+    base's when every other key that makes rows is the base's, and its caps, row count and
+    fraction keep no row the base's left out."""
+    if other := [k for k in rows_keys() if _get(config, k) != _get(base, k)]:
+        return f"the variant changes {', '.join(other)}, which make the rows themselves"
+    base_data, data = base["data"], config["data"]
+    if base_data.get("train_fraction", 1.0) < 1.0:
+        return f"data.train_fraction {base_data['train_fraction']} there"
+    base_caps, caps = base_data.get("domain_rows") or {}, data.get("domain_rows") or {}
+    rows, base_rows = data.get("train_rows"), base_data.get("train_rows")
+    if caps != base_caps:
+        if base_rows is not None:
+            return f"data.train_rows is {base_rows} there, and the variant changes data.domain_rows"
+        wider = [
+            d for d, cap in base_caps.items()
+            if cap is not None and (caps.get(d) is None or caps[d] > cap)
+        ]  # fmt: skip
+        if wider:
+            return f"data.domain_rows caps {', '.join(sorted(wider))} there below the variant's"
+    elif base_rows is not None and (rows is None or rows > base_rows):
+        return f"data.train_rows is {base_rows} there, the variant asks {rows}"
+    return None
+
+
+def subset_data(base: Path, folder: Path, base_config: dict, config: dict) -> int:
+    """`folder/data` from `base/data`, written whole or not at all: the training rows `expand`
+    keeps under the variant's domain_rows, train_rows and train_fraction (a row's copies for
+    sampled answers follow it), the eval split linked; returns the prompts kept."""
+    from dflash.data.domains import cap_rows, counts
     from dflash.data.expand import first_rows
 
-    if base_data.get("train_fraction", 1.0) < 1.0 or (
-        base_data.get("train_rows") is not None
-        and (data.get("train_rows") is None or data["train_rows"] > base_data["train_rows"])
-    ):
+    if why := share_refused(base_config, config):
         raise SystemExit(
-            f"sweep: {base}/data holds a part of the training rows (data.train_rows "
-            f"{base_data.get('train_rows')}, train_fraction {base_data.get('train_fraction')}): "
-            "a variant can only take a share of rows the base has"
+            f"sweep: {base}/data cannot give this variant's rows ({why}): a variant can only "
+            "take a share of rows the base has"
         )
-    src, out = base / "data", folder / "data"
-    expanded = pl.read_parquet(src / "expanded/train.parquet")
-    rows = [i for i in expanded["id"] if not SAMPLE_COPY.search(i)]
-    keep = set(first_rows(rows, data.get("train_rows"), data.get("train_fraction", 1.0)))
+    data = config["data"]
+    src = base / "data"
+    expanded = pl.read_parquet(src / "expanded/train.parquet", columns=["id", "domain"])
+    rows = [r for r in expanded.to_dicts() if not SAMPLE_COPY.search(r["id"])]
+    capped, _ = cap_rows(rows, data.get("domain_rows") or {})
+    shared = first_rows(capped, data.get("train_rows"), data.get("train_fraction", 1.0))
+    keep = {r["id"] for r in shared}
 
     def kept(frame: pl.DataFrame) -> pl.DataFrame:  # in the base's order
         return frame.filter(pl.col("id").str.replace(SAMPLE_COPY.pattern, "").is_in(keep))
 
+    out = folder / "data.partial"
+    shutil.rmtree(out, ignore_errors=True)
     for split in ("expanded", "tokenized"):
-        (out / split).mkdir(parents=True, exist_ok=True)
-        kept(pl.read_parquet(src / split / "train.parquet")).write_parquet(
-            out / split / "train.parquet"
-        )
-        for name in ("eval.parquet",):
-            if not (out / split / name).exists():
-                (out / split / name).symlink_to(src / split / name)
+        (out / split).mkdir(parents=True)
+        train = kept(pl.read_parquet(src / split / "train.parquet"))
+        train.write_parquet(out / split / "train.parquet")
+        (out / split / "eval.parquet").symlink_to(src / split / "eval.parquet")
+        if split == "expanded":
+            train_rows = train.height  # copies included, as `expand` counts them
     report = json.loads((src / "expanded/report.json").read_text())
-    report["train_rows"] = len(keep)
-    report["subset_of"] = {"folder": str(src), "train_rows": len(rows), **{
-        k: data.get(k) for k in SUBSET_KEYS}}  # fmt: skip
+    report["train_rows"] = train_rows
+    if "train_prompts" in report:  # `expand` counts them where each has several answers
+        report["train_prompts"] = len(keep)
+    report.setdefault("domains", {})["train"] = counts(shared)
+    report["share_of"] = {"folder": str(src), "prompts": len(rows)}
+    report["share_of"] |= {k: data.get(k) for k in SUBSET_KEYS}
     (out / "expanded/report.json").write_text(json.dumps(report, indent=1))
+    out.rename(folder / "data")
     return len(keep)
+
+
+def after_sibling(config: dict, base: Path) -> Path | None:
+    """`drafter.init: sweep:NAME` (a fine-tune from another variant of the same sweep) made
+    that variant's exported drafter's path; returns that variant's folder, whose training this
+    one waits for, or None."""
+    init = str(config["drafter"].get("init") or "")
+    if not init.startswith("sweep:"):
+        return None
+    sibling = base / "sweep" / init.removeprefix("sweep:")
+    config["drafter"]["init"] = str(sibling / "drafter")
+    return sibling
+
+
+def waiting_for(sibling: Path, command: list[str]) -> list[str]:
+    """`command`, started once `sibling`'s training has ended; nothing if it failed first."""
+    wait = (
+        'while [ ! -e "$0/train/summary.json" ]; do '
+        'if grep -q FAILED "$0/sweep.log" 2>/dev/null; then echo "$0 failed"; exit 1; fi; '
+        'sleep 2; done; exec "$@"'
+    )
+    return ["bash", "-c", wait, str(sibling), *command]
 
 
 def start(args) -> None:
@@ -109,10 +188,15 @@ def start(args) -> None:
         folder = base / "sweep" / name  # inside the ignored results folder: it survives
         folder.mkdir(parents=True, exist_ok=True)
         config = with_overrides(yaml.safe_load(Path(args.config).read_text()), pairs)
-        subset = any(config["data"].get(k) != base_config["data"].get(k) for k in SUBSET_KEYS)
-        if subset and not (folder / "data").exists():
-            rows = subset_data(base, folder, base_config["data"], config["data"])
-            print(f"{name}: {rows} of the base's training rows")
+        sibling = after_sibling(config, base)
+        # the variant's data made again at every start: a name may take another share
+        data = folder / "data"
+        if data.is_symlink():
+            data.unlink()
+        shutil.rmtree(data, ignore_errors=True)
+        if any(config["data"].get(k) != base_config["data"].get(k) for k in SUBSET_KEYS):
+            prompts = subset_data(base, folder, base_config, config)
+            print(f"{name}: {prompts} of the base's training prompts")
         for shared in ("target", "data"):
             link = folder / shared
             if not link.exists():
@@ -125,8 +209,9 @@ def start(args) -> None:
             str(folder / "config.yaml"),
             str(folder),
         ]
+        cmd = [*cmd, *args.stages]
         subprocess.Popen(
-            [*cmd, *args.stages],
+            waiting_for(sibling, cmd) if sibling else cmd,
             stdout=log,
             stderr=log,
             cwd=ROOT,
@@ -135,7 +220,8 @@ def start(args) -> None:
             # and would otherwise run one after the other on the one GPU they all share
             env={**os.environ, "PYTHONUNBUFFERED": "1", "DFLASH_GPU_LOCKS": str(folder / "gpus")},
         )
-        print(f"{name}: {' '.join(pairs) or '(the config as is)'} -> {folder}")
+        after = f", after {sibling.name}'s training" if sibling else ""
+        print(f"{name}: {' '.join(pairs) or '(the config as is)'} -> {folder}{after}")
 
 
 def curve(metrics: Path) -> list[dict]:

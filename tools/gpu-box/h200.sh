@@ -197,7 +197,7 @@ beside)  # DIR CONFIG[,CONFIG...] ACCEPTANCE STAGE...: a second drafter, carried
       sleep 5
     done
     exec bash tools/gpu-box/stages.sh $B/config.yaml $B/results ${*:5}" > "$B/stages.log" 2>&1 < /dev/null &
-  echo "beside: tools/gpu-box/stages.sh started in $B ($(sha256sum < "$B/results/drafter/model.safetensors" | cut -c1-16)...)"
+  echo "beside: tools/gpu-box/stages.sh queued in $B (it starts once the first run's training has ended) ($(sha256sum < "$B/results/drafter/model.safetensors" | cut -c1-16)...)"
   ;;
 vllm)  # the vLLM bundle carried in parts (tools/gpu-box/vllm-wheels.sh DIR, then `stage` each
   # DIR/parts/vllm-bundle.tar.part-*): joined, unpacked and installed beside the other packages
