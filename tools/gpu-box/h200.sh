@@ -234,7 +234,8 @@ wait)
     files=$(cd results && ls summary.md MANIFEST.json eval/*.json train/metrics.jsonl train/summary.json \
       data/stats/stats.json data/*/report.json data/tokenized/*.report.json compile/warmup.json \
       manifests/*.json logs/*.log sweep/*/eval/*.json sweep/*/train/summary.json \
-      sweep/*/train/metrics.jsonl sweep/*/config.yaml pair/*/eval/*.json pair/*/train/summary.json \
+      sweep/*/train/metrics.jsonl sweep/*/config.yaml sweep/*/sweep.log sweep/*/data/expanded/report.json \
+      pair/*/eval/*.json pair/*/train/summary.json \
       pair/*/train/metrics.jsonl pair/*/config.yaml pair/*/logs/*.log pair/*/data/*/report.json 2>/dev/null || true)
     cp "$RUN/snakemake.log" results/logs/snakemake.run.log
     cp "$RUN"/gpu-memory.csv "$RUN"/disk.log results/logs/ 2>/dev/null || true
