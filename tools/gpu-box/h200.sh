@@ -191,9 +191,10 @@ beside)  # DIR CONFIG[,CONFIG...] ACCEPTANCE STAGE...: a second drafter, carried
   # GPU locks of its own: the GPU is shared on purpose, not queued behind the other run's jobs.
   # But not beside its regeneration or training: one regeneration peaks at 61 GB at the recipe's
   # batch, so two did not fit an 80 GB H100 (2026-12-08: the first run's failed, out of memory).
-  # The wait is in the background ("stages[.]sh" so that pgrep does not find its own command line).
+  # The wait is in the background, for a run of `stages` or of `start` (Snakemake); "[.]" and "[ ]"
+  # so that pgrep does not find the waiting command line itself.
   SPLITS=eval DFLASH_GPU_LOCKS=$B/gpu-locks setsid nohup bash -c "
-    while [ ! -e $A/train/summary.json ] && pgrep -f 'stages[.]sh $RUN/config.yaml' > /dev/null; do
+    while [ ! -e $A/train/summary.json ] && pgrep -f 'stages[.]sh $RUN/config.yaml|snakemake[ ]--cores' > /dev/null; do
       sleep 5
     done
     exec bash tools/gpu-box/stages.sh $B/config.yaml $B/results ${*:5}" > "$B/stages.log" 2>&1 < /dev/null &
