@@ -31,6 +31,7 @@ training has ended (issue 57's fine-tune: a chat drafter moved onto the mixture,
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -71,21 +72,17 @@ SUBSET_KEYS = ("domain_rows", "train_rows", "train_fraction")
 SAMPLE_COPY = re.compile(r"-s\d+$")  # `expand`'s `<id>-s<k>`: a row's k-th sampled answer
 
 
-def _get(config: dict, dotted: str):
-    for name in dotted.split("."):
-        config = config.get(name) if isinstance(config, dict) else None
-    return config
-
-
-def rows_keys() -> list[str]:
-    """The config keys the training rows depend on, but for the share keys: those of the stages
-    that make them (dflash.stages' table)."""
+def rows_changed(base: dict, config: dict) -> list[str]:
+    """The keys, but for the share keys, that differ between the two configs among those the
+    training rows depend on: what the stages that make them record (`Stage.depends`)."""
     from dflash.stages import STAGES
 
-    keys = {
-        k for name in ("target", "expand", "regenerate", "tokenize") for k in STAGES[name].config
-    }
-    return sorted(keys - {f"data.{k}" for k in SUBSET_KEYS} - {"cache_dir"})
+    share = tuple(f"data.{k}" for k in SUBSET_KEYS)
+    changed = set()
+    for name in ("target", "expand", "regenerate", "tokenize"):
+        was, now = STAGES[name].depends(base), STAGES[name].depends(config)
+        changed |= {k for k in was.keys() | now.keys() if was.get(k) != now.get(k)}
+    return sorted(k for k in changed if not k.startswith(share))
 
 
 def share_refused(base: dict, config: dict) -> str | None:
@@ -94,7 +91,7 @@ def share_refused(base: dict, config: dict) -> str | None:
     (per domain for the caps) of the rows before it, so a variant's rows are a share of the
     base's when every other key that makes rows is the base's, and its caps, row count and
     fraction keep no row the base's left out."""
-    if other := [k for k in rows_keys() if _get(config, k) != _get(base, k)]:
+    if other := rows_changed(base, config):
         return f"the variant changes {', '.join(other)}, which make the rows themselves"
     base_data, data = base["data"], config["data"]
     if base_data.get("train_fraction", 1.0) < 1.0:
@@ -187,7 +184,7 @@ def start(args) -> None:
     for name, *pairs in args.variant:
         folder = base / "sweep" / name  # inside the ignored results folder: it survives
         folder.mkdir(parents=True, exist_ok=True)
-        config = with_overrides(yaml.safe_load(Path(args.config).read_text()), pairs)
+        config = with_overrides(copy.deepcopy(base_config), pairs)
         sibling = after_sibling(config, base)
         # the variant's data made again at every start: a name may take another share
         data = folder / "data"
